@@ -53,6 +53,7 @@ class BertImplConfig(PretrainedConfig):
         if kwargs.pop("is_decoder", False) or kwargs.pop("add_cross_attention", False):
             raise ValueError("bert-impl is a bidirectional encoder: is_decoder/add_cross_attention are not supported")
         kwargs.pop("use_cache", None)
+        kwargs.pop("model_type", None)  # a stock config says "bert"; ours is always "bert_impl"
         super().__init__(pad_token_id=pad_token_id, **kwargs)
         if hidden_size % num_attention_heads != 0:
             raise ValueError(
