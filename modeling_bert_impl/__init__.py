@@ -1,5 +1,49 @@
-"""bert-impl: BERT written from scratch as a transformers model. Importing this package registers `bert_impl`."""
+"""bert-impl: BERT written from scratch as a transformers model.
 
+Importing this package registers `bert_impl` with transformers' Auto classes (config, every head, and the tokenizer),
+so `AutoModelForX.from_pretrained(folder)` gives our classes without `trust_remote_code`.
+"""
+
+from transformers import AutoConfig
+
+from . import modeling_bert_impl as _modeling
 from .configuration_bert_impl import PRESETS, BertImplConfig
+from .modeling_bert_impl import (
+    AUTO_CLASSES,
+    BertImplForMaskedLM,
+    BertImplForMultipleChoice,
+    BertImplForNextSentencePrediction,
+    BertImplForPreTraining,
+    BertImplForPreTrainingOutput,
+    BertImplForQuestionAnswering,
+    BertImplForSequenceClassification,
+    BertImplForTokenClassification,
+    BertImplModel,
+    BertImplPreTrainedModel,
+)
 
-__all__ = ["PRESETS", "BertImplConfig"]
+
+def _register() -> None:
+    import transformers
+
+    AutoConfig.register(BertImplConfig.model_type, BertImplConfig, exist_ok=True)
+    for auto_name, model_class in AUTO_CLASSES.items():
+        getattr(transformers, auto_name).register(BertImplConfig, model_class, exist_ok=True)
+
+
+_register()
+
+__all__ = [
+    "PRESETS",
+    "BertImplConfig",
+    "BertImplPreTrainedModel",
+    "BertImplModel",
+    "BertImplForPreTraining",
+    "BertImplForPreTrainingOutput",
+    "BertImplForMaskedLM",
+    "BertImplForNextSentencePrediction",
+    "BertImplForSequenceClassification",
+    "BertImplForTokenClassification",
+    "BertImplForQuestionAnswering",
+    "BertImplForMultipleChoice",
+]

@@ -1,0 +1,717 @@
+"""BERT (Devlin et al., 2019) written from scratch as a transformers model.
+
+Shapes: B batch, T tokens, H hidden, N heads, D head dim (H = N * D), V vocabulary, nnz the real tokens of a batch
+without its padding, S the sequences of such a batch (B for a padded batch, more for a packed one).
+
+The encoder runs in one of two layouts. Padded: (B, T, H) with an additive attention mask, through transformers'
+attention functions (`eager`, `sdpa`, ...). Unpadded: (nnz, H), every dense layer on real tokens only, attention per
+sequence from `cu_seqlens`. The model unpads once per forward when the batch has padding or is packed, and re-pads
+its outputs once at the end.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPooling,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    NextSentencePredictorOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import ModelOutput
+
+from .bert_padding import cu_seqlens_from_position_ids, cu_seqlens_from_seq_idx, pad, sequence_mask, unpad, unpad_indices
+from .configuration_bert_impl import BertImplConfig
+
+try:  # optional: flash-attention's variable-length kernel, used on CUDA for fp16/bf16
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints: one declarative map from stock BERT keys (transformers' BertModel / BertForX) to ours. transformers
+# applies it when loading (renamings in order, then the QKV fusion) and reverses it when saving, so our folders hold
+# stock key names and stock folders load into our classes.
+# ---------------------------------------------------------------------------------------------------------------------
+STOCK_TO_OURS = [
+    ("embeddings.LayerNorm", "embeddings.norm"),
+    ("encoder.layer.", "layers."),
+    ("attention.output.dense", "attn.out"),
+    ("attention.output.LayerNorm", "attn_norm"),
+    ("intermediate.dense", "ffn.up"),
+    ("output.dense", "ffn.down"),  # after attention.output.dense has been renamed
+    ("output.LayerNorm", "ffn_norm"),
+    ("cls.predictions.transform.dense", "mlm_head.dense"),
+    ("cls.predictions.transform.LayerNorm", "mlm_head.norm"),
+    ("cls.predictions.decoder", "mlm_head.decoder"),
+    ("cls.predictions.bias", "mlm_head.decoder.bias"),  # the stock MLM bias is tied to its decoder's bias
+    ("cls.seq_relationship", "nsp_head"),
+]
+STOCK_QKV = ["attention.self.query", "attention.self.key", "attention.self.value"]
+
+
+def checkpoint_conversion() -> list:
+    """The transforms transformers applies to a checkpoint's keys when loading (and reversed, when saving)."""
+    renamings = [WeightRenaming(source, target) for source, target in STOCK_TO_OURS]
+    return renamings + [WeightConverter(STOCK_QKV, "attn.qkv", operations=[Concatenate(dim=0)])]
+
+
+register_checkpoint_conversion_mapping("bert_impl", checkpoint_conversion(), overwrite=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------------------------
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The reference: softmax(q k^T * scaling + mask) v. q, k, v: (B, N, T, D); mask additive (B, 1, T|1, T).
+    Returns (B, T, N, D) and the attention weights (B, N, T, T)."""
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, N, T, T)
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class VarlenBatch(NamedTuple):
+    """What attention needs to treat (nnz, ...) tokens as S separate sequences; built once per forward."""
+
+    cu_seqlens: torch.Tensor  # (S + 1,) int32
+    max_seqlen: int
+    indices: torch.Tensor  # (nnz,) each token's place in the left-aligned (S * max_seqlen) layout
+    key_mask: torch.Tensor  # (S, 1, 1, max_seqlen) additive: 0 on real keys, dtype min on padding
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, nnz: int, dtype: torch.dtype) -> "VarlenBatch":
+        real = sequence_mask(cu_seqlens, max_seqlen)  # (S, max_seqlen)
+        indices = torch.nonzero_static(real.flatten(), size=nnz).flatten()  # (nnz,)
+        key_mask = torch.zeros(real.shape, dtype=dtype, device=real.device).masked_fill_(~real, torch.finfo(dtype).min)
+        return cls(cu_seqlens, max_seqlen, indices, key_mask[:, None, None, :])
+
+
+def varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """q, k, v: (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own sequence only."""
+    if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        cu, t = batch.cu_seqlens, batch.max_seqlen
+        return flash_attn_varlen_func(q, k, v, cu, cu, t, t, dropout_p=dropout, softmax_scale=scaling)
+    # SDPA on the sequences laid out left-aligned at their own longest length (often shorter than the batch's T).
+    S, N, D = batch.cu_seqlens.numel() - 1, q.shape[1], q.shape[2]
+    qkv = pad(torch.stack((q, k, v), dim=1), batch.indices, S, batch.max_seqlen)  # (S, T', 3, N, D)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (S, N, T', D)
+    key_mask = batch.key_mask.to(q.dtype)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=dropout, scale=scaling)  # (S, N, T', D)
+    return unpad(y.transpose(1, 2), batch.indices)  # (nnz, N, D)
+
+
+class BertImplAttention(nn.Module):
+    """Multi-head self-attention with one fused QKV projection."""
+
+    is_causal = False  # read by transformers' attention functions
+
+    def __init__(self, config: BertImplConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.dropout = config.attention_probs_dropout_prob
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.out = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x, attention_mask=None, varlen: VarlenBatch | None = None):
+        dropout = self.dropout if self.training else 0.0
+        if varlen is not None:  # x: (nnz, H)
+            q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # each (nnz, N, D)
+            y, weights = varlen_attention(q, k, v, varlen, self.scaling, dropout), None  # (nnz, N, D)
+        else:  # x: (B, T, H)
+            qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, N, T, D)
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+            y, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=dropout)  # (B, T, N, D)
+        return self.out(y.flatten(-2)), weights  # (..., H)
+
+
+class BertImplFeedForward(nn.Module):
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.up = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class BertImplLayer(GradientCheckpointingLayer):
+    """Post-LN Transformer layer: x = LN(x + attn(x)); x = LN(x + ffn(x)). Any leading shape: (B, T, H) or (nnz, H)."""
+
+    def __init__(self, config: BertImplConfig, layer_idx: int):
+        super().__init__()
+        self.attn = BertImplAttention(config, layer_idx)
+        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ffn = BertImplFeedForward(config)
+        self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x, attention_mask=None, varlen: VarlenBatch | None = None):
+        a, weights = self.attn(x, attention_mask, varlen)
+        x = self.attn_norm(x + self.dropout(a))
+        x = self.ffn_norm(x + self.dropout(self.ffn(x)))
+        return x, weights
+
+
+class BertImplEmbeddings(nn.Module):
+    """word + segment + learned position embeddings, LayerNorm, dropout. Any leading shape: (B, T) or (nnz,)."""
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds=None):
+        x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # (..., H)
+        x = x + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
+        return self.dropout(self.norm(x))
+
+
+class BertImplPooler(nn.Module):
+    """tanh(W h_[CLS] + b)."""
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, cls_hidden):  # (S, H) -> (S, H)
+        return torch.tanh(self.dense(cls_hidden))
+
+
+class BertImplMLMHead(nn.Module):
+    """dense, GELU, LayerNorm, then the decoder to the vocabulary (its weight tied to the word embeddings)."""
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, x):  # (..., H) -> (..., V)
+        return self.decoder(self.norm(self.act(self.dense(x))))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Losses: one helper for every head
+# ---------------------------------------------------------------------------------------------------------------------
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of (..., C) logits against (...) labels, skipping `ignore_index`; computed in float32."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device), ignore_index=ignore_index
+    )
+
+
+def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config: BertImplConfig) -> torch.Tensor:
+    """transformers' `problem_type` contract: regression (MSE), single-label (CE) or multi-label (BCE) classification.
+    An unset problem_type is inferred from num_labels and the labels' dtype, and recorded in the config."""
+    if config.problem_type is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    labels = labels.to(logits.device)
+    if config.problem_type == "regression":
+        if config.num_labels == 1:
+            return F.mse_loss(logits.squeeze().float(), labels.squeeze().float())
+        return F.mse_loss(logits.float(), labels.float())
+    if config.problem_type == "single_label_classification":
+        return cross_entropy(logits, labels)
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------------------
+class BertImplPreTrainedModel(PreTrainedModel):
+    config_class = BertImplConfig
+    config: BertImplConfig
+    base_model_prefix = "bert"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_attention_backend = True
+    _no_split_modules = ["BertImplEmbeddings", "BertImplLayer"]
+    # Losses are means over the batch; Trainer scales them for gradient accumulation itself.
+    accepts_loss_kwargs = False
+    # Older stock checkpoints carry the position-id buffer and a duplicate of the MLM bias.
+    _keys_to_ignore_on_load_unexpected = [r"embeddings\.position_ids", r"cls\.predictions\.decoder\.bias"]
+
+    # Weights are initialised by PreTrainedModel._init_weights: Linear and Embedding ~ N(0, initializer_range), biases
+    # and the padding embedding zero, LayerNorm to identity.
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """As transformers' save_pretrained, with `auto_map` naming every head, so that the saved folder (which
+        carries the code files) loads through any Auto class with `trust_remote_code=True`."""
+        module = type(self).__module__.rsplit(".", 1)[-1]
+        auto_map = {auto: f"{module}.{cls.__name__}" for auto, cls in AUTO_CLASSES.items()}
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def save_stock_pretrained(self, save_directory: str, **kwargs) -> None:
+        """Write a folder that plain transformers loads as its own `BertModel` / `BertForX` (model_type "bert").
+
+        The weights are already written under stock key names (`checkpoint_conversion()` reversed); only the config
+        differs: stock model_type and architecture, no `auto_map`, no fields of ours, no code files."""
+        import json
+        import os
+
+        self.save_pretrained(save_directory, **kwargs)
+        for name in os.listdir(save_directory):
+            if name.endswith(".py"):
+                os.remove(os.path.join(save_directory, name))
+        path = os.path.join(save_directory, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        for key in ("auto_map", "unpad_inputs"):
+            config.pop(key, None)
+        config.update(model_type="bert", architectures=[type(self).__name__.replace("BertImpl", "Bert", 1)])
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+
+class BertImplModel(BertImplPreTrainedModel):
+    """The bidirectional encoder: embeddings, L post-LN layers and (optionally) the tanh pooler on [CLS]."""
+
+    def __init__(self, config: BertImplConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        self.embeddings = BertImplEmbeddings(config)
+        self.layers = nn.ModuleList(BertImplLayer(config, i) for i in range(config.num_hidden_layers))
+        self.pooler = BertImplPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embeddings.word_embeddings = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ) -> BaseModelOutputWithPooling | tuple:
+        r"""
+        A padded batch (`input_ids` (B, T) with `attention_mask`), or a packed one as transformers'
+        `DataCollatorWithFlattening` makes it: B = 1, sequences concatenated, marked by `position_ids` restarting at 0,
+        by `cu_seq_lens_q`/`max_length_q` (`cu_seq_lens_k`/`max_length_k` must then be equal), or by `seq_idx`.
+        Tokens never attend across sequences.
+
+        With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states at padding
+        positions are zero when the unpadded path ran (`config.unpad_inputs`), unspecified otherwise.
+        """
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        if cu_seq_lens_k is not None and (cu_seq_lens_q is None or not torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
+            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: BERT's self-attention has one set of sequences")
+
+        B, T, stats = self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        device = input_ids.device if input_ids is not None else inputs_embeds.device
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(B, T, dtype=torch.long, device=device)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=device).expand(B, T)
+        position_ids = position_ids.expand(B, T)
+
+        marked = cu_seq_lens_q is not None or seq_idx is not None
+        packed = marked or (B == 1 and attention_mask is None and stats["restarts"] > 0)
+        if marked and B != 1:
+            raise ValueError(f"a packed batch has batch size 1 (sequences concatenated), got input of shape {(B, T)}")
+        has_padding = stats["nnz"] < B * T
+        unpadded = (
+            (packed or has_padding)
+            and self.config.unpad_inputs
+            and not output_attentions
+            and self.config._attn_implementation != "eager"
+        )
+
+        if unpadded:
+            if packed:
+                indices = None
+                cu_seqlens = self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids)
+                lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+                max_seqlen = int(max_length_q) if max_length_q is not None else int(lengths.max())
+            else:
+                indices, cu_seqlens = unpad_indices(attention_mask, stats["nnz"])
+                max_seqlen = stats["max_seqlen"]
+            flat = lambda t: unpad(t, indices) if indices is not None else t.flatten(0, 1)  # (B, T, ...) -> (nnz, ...)
+            x = self.embeddings(
+                flat(input_ids) if input_ids is not None else None,
+                flat(token_type_ids),
+                flat(position_ids),
+                flat(inputs_embeds) if inputs_embeds is not None else None,
+            )  # (nnz, H)
+            varlen = VarlenBatch.build(cu_seqlens, max_seqlen, x.shape[0], x.dtype)
+            repad = (lambda h: pad(h, indices, B, T)) if indices is not None else (lambda h: h.unsqueeze(0))
+            mask = None
+        else:
+            x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
+            varlen, repad = None, (lambda h: h)
+            mask = self._additive_mask(attention_mask, packed, cu_seq_lens_q, seq_idx, position_ids, x.dtype)
+
+        all_hidden = [repad(x)] if output_hidden_states else None
+        all_attentions = [] if output_attentions else None
+        for layer in self.layers:
+            x, weights = layer(x, mask, varlen)
+            if output_hidden_states:
+                all_hidden.append(repad(x))
+            if output_attentions:
+                all_attentions.append(weights)
+
+        pooled = None
+        if self.pooler is not None:  # [CLS] is the first real token of each sequence
+            if varlen is not None:
+                first = varlen.cu_seqlens[:-1].clamp(max=x.shape[0] - 1).long()  # (S,)
+                pooled = self.pooler(x[first])
+            elif packed:
+                pooled = self.pooler(x[0, self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids)[:-1].long()])
+            else:
+                first = (attention_mask != 0).int().argmax(-1) if attention_mask is not None else torch.zeros(B, dtype=torch.long, device=device)
+                pooled = self.pooler(x[torch.arange(B, device=device), first])
+        last = repad(x)  # (B, T, H)
+
+        out = BaseModelOutputWithPooling(
+            last_hidden_state=last,
+            pooler_output=pooled,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=tuple(all_attentions) if output_attentions else None,
+        )
+        return out if return_dict else out.to_tuple()
+
+    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
+        """Validate shapes, dtypes and id ranges with a clear ValueError. Returns B, T and the batch statistics the
+        forward needs (real-token count, longest sequence, position restarts), all read in ONE host-device sync."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+            B, T = input_ids.shape
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(
+                    f"inputs_embeds must be (batch, seq_len, {self.config.hidden_size}), "
+                    f"got shape {tuple(inputs_embeds.shape)}"
+                )
+            B, T = inputs_embeds.shape[:2]
+        if T == 0:
+            raise ValueError("empty sequences: seq_len is 0")
+        for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+            if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+                raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+            if t is not None and tuple(t.shape) != (B, T):
+                raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {(B, T)}")
+        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B)):
+            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected (1, {T}) or ({B}, {T})")
+        if position_ids is None and T > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {T} is longer than the position table (max_position_embeddings="
+                f"{self.config.max_position_embeddings}); truncate the input"
+            )
+
+        # Everything data-dependent in one small tensor, fetched once.
+        zero = torch.zeros((), dtype=torch.long, device=(input_ids if input_ids is not None else inputs_embeds).device)
+        ids = input_ids if input_ids is not None else zero
+        types = token_type_ids if token_type_ids is not None else zero
+        positions = position_ids if position_ids is not None else zero
+        real = attention_mask != 0 if attention_mask is not None else None
+        stats = torch.stack([
+            ids.min(), ids.max(), types.min(), types.max(), positions.min(), positions.max(),
+            real.sum() if real is not None else zero + B * T,
+            real.sum(-1).max() if real is not None else zero + T,
+            (positions[..., 1:] == 0).sum() if position_ids is not None else zero,
+        ]).tolist()
+        id_min, id_max, type_min, type_max, pos_min, pos_max, nnz, max_seqlen, restarts = stats
+        if input_ids is not None and (id_min < 0 or id_max >= self.config.vocab_size):
+            bad = id_min if id_min < 0 else id_max
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        if type_min < 0 or type_max >= self.config.type_vocab_size:
+            bad = type_min if type_min < 0 else type_max
+            raise ValueError(f"token type id {bad} is outside [0, type_vocab_size={self.config.type_vocab_size})")
+        if pos_min < 0 or pos_max >= self.config.max_position_embeddings:
+            bad = pos_min if pos_min < 0 else pos_max
+            raise ValueError(f"position id {bad} is outside the position table [0, {self.config.max_position_embeddings})")
+        return B, T, {"nnz": nnz, "max_seqlen": max_seqlen, "restarts": restarts}
+
+    @staticmethod
+    def _packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids) -> torch.Tensor:
+        """The (S + 1,) boundaries of a packed (1, nnz) batch, from whichever marker the collator gave."""
+        if cu_seq_lens_q is not None:
+            return cu_seq_lens_q.to(torch.int32)
+        if seq_idx is not None:
+            return cu_seqlens_from_seq_idx(seq_idx.flatten())
+        return cu_seqlens_from_position_ids(position_ids.flatten())
+
+    def _additive_mask(self, attention_mask, packed, cu_seq_lens_q, seq_idx, position_ids, dtype):
+        """The padded path's mask, added to the attention scores: (B, 1, 1, T) for padding, (1, 1, T, T) block-diagonal
+        for a packed batch, None when nothing is masked. Masked scores get the dtype's minimum, so a row that is all
+        padding still gives finite (uniform) attention."""
+        if packed:
+            cu = self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids)
+            T = position_ids.shape[1]
+            segment = torch.bucketize(torch.arange(T, device=cu.device), cu[1:].long(), right=True)  # (T,)
+            allowed = segment[:, None] == segment[None, :]  # (T, T)
+            if attention_mask is not None:
+                allowed = allowed & (attention_mask[0] != 0)[None, :]
+            allowed = allowed[None, None]  # (1, 1, T, T)
+        elif attention_mask is not None:
+            allowed = (attention_mask != 0)[:, None, None, :]  # (B, 1, 1, T)
+        else:
+            return None
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Heads
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class BertImplForPreTrainingOutput(ModelOutput):
+    """loss = mlm_loss + nsp_loss (each a mean; present when its labels are given)."""
+
+    loss: torch.FloatTensor | None = None
+    mlm_loss: torch.FloatTensor | None = None
+    nsp_loss: torch.FloatTensor | None = None
+    prediction_logits: torch.FloatTensor | None = None  # (B, T, V)
+    seq_relationship_logits: torch.FloatTensor | None = None  # (B, 2)
+    hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    attentions: tuple[torch.FloatTensor, ...] | None = None
+
+
+class BertImplForPreTraining(BertImplPreTrainedModel):
+    """BERT's pre-training heads: masked LM (decoder tied to the word embeddings) + next sentence prediction."""
+
+    _tied_weights_keys = {"mlm_head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__(config)
+        self.bert = BertImplModel(config)
+        self.mlm_head = BertImplMLMHead(config)
+        self.nsp_head = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.mlm_head.decoder
+
+    def set_output_embeddings(self, value):
+        self.mlm_head.decoder = value
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, next_sentence_label=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, **packing):
+        r"""labels: (B, T) token ids at masked positions, -100 elsewhere. next_sentence_label: (B,) 0 = B follows A."""
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
+                        output_hidden_states, return_dict=True, **packing)
+        prediction_logits = self.mlm_head(out.last_hidden_state)  # (B, T, V)
+        seq_relationship_logits = self.nsp_head(out.pooler_output)  # (B, 2)
+        mlm_loss = cross_entropy(prediction_logits, labels) if labels is not None else None
+        nsp_loss = cross_entropy(seq_relationship_logits, next_sentence_label) if next_sentence_label is not None else None
+        losses = [l for l in (mlm_loss, nsp_loss) if l is not None]
+        result = BertImplForPreTrainingOutput(
+            loss=sum(losses) if losses else None, mlm_loss=mlm_loss, nsp_loss=nsp_loss,
+            prediction_logits=prediction_logits, seq_relationship_logits=seq_relationship_logits,
+            hidden_states=out.hidden_states, attentions=out.attentions,
+        )
+        return result if return_dict is not False else result.to_tuple()
+
+
+class BertImplForMaskedLM(BertImplPreTrainedModel):
+    _tied_weights_keys = {"mlm_head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__(config)
+        self.bert = BertImplModel(config, add_pooling_layer=False)
+        self.mlm_head = BertImplMLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.mlm_head.decoder
+
+    def set_output_embeddings(self, value):
+        self.mlm_head.decoder = value
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None, **packing):
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
+                        output_hidden_states, return_dict=True, **packing)
+        logits = self.mlm_head(out.last_hidden_state)  # (B, T, V)
+        loss = cross_entropy(logits, labels) if labels is not None else None
+        result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return result if return_dict is not False else result.to_tuple()
+
+
+class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
+    def __init__(self, config: BertImplConfig):
+        super().__init__(config)
+        self.bert = BertImplModel(config)
+        self.nsp_head = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None, **packing):
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
+                        output_hidden_states, return_dict=True, **packing)
+        logits = self.nsp_head(out.pooler_output)  # (B, 2)
+        loss = cross_entropy(logits, labels) if labels is not None else None
+        result = NextSentencePredictorOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return result if return_dict is not False else result.to_tuple()
+
+
+def classifier_dropout(config: BertImplConfig) -> nn.Dropout:
+    return nn.Dropout(config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout)
+
+
+class BertImplForSequenceClassification(BertImplPreTrainedModel):
+    def __init__(self, config: BertImplConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertImplModel(config)
+        self.dropout = classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None, **packing):
+        r"""labels: (B,) class ids, (B,) floats for regression (num_labels == 1), or (B, C) multi-hot floats."""
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
+                        output_hidden_states, return_dict=True, **packing)
+        logits = self.classifier(self.dropout(out.pooler_output))  # (B, C)
+        loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
+        result = SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return result if return_dict is not False else result.to_tuple()
+
+
+class BertImplForTokenClassification(BertImplPreTrainedModel):
+    def __init__(self, config: BertImplConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertImplModel(config, add_pooling_layer=False)
+        self.dropout = classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None, **packing):
+        r"""labels: (B, T) class ids, -100 where no label applies (padding, special tokens, later sub-words)."""
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
+                        output_hidden_states, return_dict=True, **packing)
+        logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, T, C)
+        loss = cross_entropy(logits, labels) if labels is not None else None
+        result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return result if return_dict is not False else result.to_tuple()
+
+
+class BertImplForQuestionAnswering(BertImplPreTrainedModel):
+    def __init__(self, config: BertImplConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertImplModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                start_positions=None, end_positions=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, **packing):
+        r"""start_positions, end_positions: (B,) token indices of the answer span; positions outside the sequence
+        are clamped to T and ignored (as in transformers)."""
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
+                        output_hidden_states, return_dict=True, **packing)
+        logits = self.qa_outputs(out.last_hidden_state)  # (B, T, 2)
+        start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))  # each (B, T)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            T = start_logits.shape[1]
+            start, end = (p.reshape(-1).clamp(0, T) for p in (start_positions, end_positions))
+            loss = (cross_entropy(start_logits, start, ignore_index=T) + cross_entropy(end_logits, end, ignore_index=T)) / 2
+        result = QuestionAnsweringModelOutput(
+            loss=loss, start_logits=start_logits, end_logits=end_logits,
+            hidden_states=out.hidden_states, attentions=out.attentions,
+        )
+        return result if return_dict is not False else result.to_tuple()
+
+
+class BertImplForMultipleChoice(BertImplPreTrainedModel):
+    def __init__(self, config: BertImplConfig):
+        super().__init__(config)
+        self.bert = BertImplModel(config)
+        self.dropout = classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None):
+        r"""Inputs are (B, C, T) for C choices; labels: (B,) the index of the right choice."""
+        reference = input_ids if input_ids is not None else inputs_embeds
+        if reference is None or reference.dim() < 3:
+            raise ValueError("multiple choice inputs must be (batch, num_choices, seq_len)")
+        num_choices = reference.shape[1]
+        flat = lambda t: t.flatten(0, 1) if t is not None else None  # (B, C, ...) -> (B * C, ...)
+        out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
+                        flat(inputs_embeds), output_attentions, output_hidden_states, return_dict=True)
+        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (B, C)
+        loss = cross_entropy(logits, labels) if labels is not None else None
+        result = MultipleChoiceModelOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return result if return_dict is not False else result.to_tuple()
+
+
+# Every class above with the Auto class that loads it; written into saved configs as `auto_map`.
+AUTO_CLASSES = {
+    "AutoModel": BertImplModel,
+    "AutoModelForPreTraining": BertImplForPreTraining,
+    "AutoModelForMaskedLM": BertImplForMaskedLM,
+    "AutoModelForNextSentencePrediction": BertImplForNextSentencePrediction,
+    "AutoModelForSequenceClassification": BertImplForSequenceClassification,
+    "AutoModelForTokenClassification": BertImplForTokenClassification,
+    "AutoModelForQuestionAnswering": BertImplForQuestionAnswering,
+    "AutoModelForMultipleChoice": BertImplForMultipleChoice,
+}
+for _auto_class, _model_class in AUTO_CLASSES.items():
+    _model_class.register_for_auto_class(_auto_class)
+BertImplConfig.register_for_auto_class()
