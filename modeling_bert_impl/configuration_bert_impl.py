@@ -1,6 +1,7 @@
 """Configuration of bert-impl: transformers' BERT field names, validated, with the paper's sizes as presets."""
 
-from transformers import PretrainedConfig
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
 
 # name -> (num_hidden_layers, hidden_size, num_attention_heads); intermediate_size is 4 * hidden_size.
 # tiny..medium are the compact models of Turc et al. (2019); base and large are the paper's.
@@ -14,7 +15,8 @@ PRESETS = {
 }
 
 
-class BertImplConfig(PretrainedConfig):
+@strict
+class BertImplConfig(PreTrainedConfig):
     r"""
     Configuration of a [`BertImplModel`]. Defaults give BERT-base (L=12, H=768, A=12, 110M parameters).
 
@@ -22,77 +24,55 @@ class BertImplConfig(PretrainedConfig):
 
     unpad_inputs (`bool`, defaults to `True`):
         Run the encoder on real tokens only when the attention mask has padding (or the batch is packed): unpad once
-        per forward, re-pad the outputs. Same outputs as the padded computation, less work. `output_attentions=True`
-        always takes the padded path (attention maps are padded tensors).
+        per forward, re-pad the outputs. Same outputs as the padded computation, less work. The `eager` attention
+        implementation and `output_attentions=True` always take the padded path.
     """
 
     model_type = "bert_impl"
 
-    def __init__(
-        self,
-        vocab_size: int = 30522,
-        hidden_size: int = 768,
-        num_hidden_layers: int = 12,
-        num_attention_heads: int = 12,
-        intermediate_size: int = 3072,
-        hidden_act: str = "gelu",
-        hidden_dropout_prob: float = 0.1,
-        attention_probs_dropout_prob: float = 0.1,
-        max_position_embeddings: int = 512,
-        type_vocab_size: int = 2,
-        initializer_range: float = 0.02,
-        layer_norm_eps: float = 1e-12,
-        pad_token_id: int = 0,
-        classifier_dropout: float | None = None,
-        unpad_inputs: bool = True,
-        **kwargs,
-    ):
-        # Stock BERT configs carry these; only what this model implements is accepted.
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float | int = 0.1
+    attention_probs_dropout_prob: float | int = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int | None = 0
+    classifier_dropout: float | int | None = None
+    tie_word_embeddings: bool = True
+    unpad_inputs: bool = True
+
+    def __post_init__(self, **kwargs):
+        # Stock BERT configs carry these; accept what this model implements, refuse the rest.
         if kwargs.pop("position_embedding_type", "absolute") != "absolute":
             raise ValueError("only absolute (learned) position embeddings are implemented")
         if kwargs.pop("is_decoder", False) or kwargs.pop("add_cross_attention", False):
             raise ValueError("bert-impl is a bidirectional encoder: is_decoder/add_cross_attention are not supported")
-        kwargs.pop("use_cache", None)
-        kwargs.pop("model_type", None)  # a stock config says "bert"; ours is always "bert_impl"
-        super().__init__(pad_token_id=pad_token_id, **kwargs)
-        if hidden_size % num_attention_heads != 0:
+        for stock_only in ("use_cache", "model_type", "gradient_checkpointing"):
+            kwargs.pop(stock_only, None)
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of `@strict` validation: sizes positive, heads dividing the hidden size, probabilities in [0, 1)."""
+        for name in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "max_position_embeddings", "type_vocab_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
-                f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
             )
-        for name, value in (
-            ("vocab_size", vocab_size),
-            ("hidden_size", hidden_size),
-            ("num_hidden_layers", num_hidden_layers),
-            ("num_attention_heads", num_attention_heads),
-            ("intermediate_size", intermediate_size),
-            ("max_position_embeddings", max_position_embeddings),
-            ("type_vocab_size", type_vocab_size),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, p in (
-            ("hidden_dropout_prob", hidden_dropout_prob),
-            ("attention_probs_dropout_prob", attention_probs_dropout_prob),
-            ("classifier_dropout", classifier_dropout),
-        ):
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            p = getattr(self, name)
             if p is not None and not 0.0 <= p < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {p!r}")
-        if pad_token_id is not None and not 0 <= pad_token_id < vocab_size:
-            raise ValueError(f"pad_token_id ({pad_token_id}) must be in [0, vocab_size={vocab_size})")
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size
-        self.hidden_act = hidden_act
-        self.hidden_dropout_prob = hidden_dropout_prob
-        self.attention_probs_dropout_prob = attention_probs_dropout_prob
-        self.max_position_embeddings = max_position_embeddings
-        self.type_vocab_size = type_vocab_size
-        self.initializer_range = initializer_range
-        self.layer_norm_eps = layer_norm_eps
-        self.classifier_dropout = classifier_dropout
-        self.unpad_inputs = unpad_inputs
+                raise ValueError(f"{name} must be in [0, 1), got {p}")
 
     @classmethod
     def from_preset(cls, name: str, **kwargs) -> "BertImplConfig":
