@@ -55,10 +55,11 @@ class BertImplConfig(PreTrainedConfig):
             raise ValueError("bert-impl is a bidirectional encoder: is_decoder/add_cross_attention are not supported")
         for stock_only in ("use_cache", "model_type", "gradient_checkpointing"):
             kwargs.pop(stock_only, None)
+        self._check_sizes()
         super().__post_init__(**kwargs)
 
-    def validate_architecture(self):
-        """Part of `@strict` validation: sizes positive, heads dividing the hidden size, probabilities in [0, 1)."""
+    def _check_sizes(self):
+        """Sizes positive, heads dividing the hidden size, probabilities in [0, 1): a ValueError naming the field."""
         for name in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "max_position_embeddings", "type_vocab_size",
