@@ -133,7 +133,7 @@ class BertImplAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.out = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x, attention_mask=None, varlen: VarlenBatch | None = None):
+    def forward(self, x, attention_mask=None, varlen: VarlenBatch | None = None, output_attentions: bool = False):
         dropout = self.dropout if self.training else 0.0
         if varlen is not None:  # x: (nnz, H)
             q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # each (nnz, N, D)
@@ -141,7 +141,9 @@ class BertImplAttention(nn.Module):
         else:  # x: (B, T, H)
             qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, N, T, D)
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+            # Attention maps exist only on the eager path; asking for them selects it for this call.
+            implementation = "eager" if output_attentions else self.config._attn_implementation
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
             y, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=dropout)  # (B, T, N, D)
         return self.out(y.flatten(-2)), weights  # (..., H)
 
@@ -168,8 +170,8 @@ class BertImplLayer(GradientCheckpointingLayer):
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, x, attention_mask=None, varlen: VarlenBatch | None = None):
-        a, weights = self.attn(x, attention_mask, varlen)
+    def forward(self, x, attention_mask=None, varlen: VarlenBatch | None = None, output_attentions: bool = False):
+        a, weights = self.attn(x, attention_mask, varlen, output_attentions)
         x = self.attn_norm(x + self.dropout(a))
         x = self.ffn_norm(x + self.dropout(self.ffn(x)))
         return x, weights
@@ -393,7 +395,7 @@ class BertImplModel(BertImplPreTrainedModel):
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for layer in self.layers:
-            x, weights = layer(x, mask, varlen)
+            x, weights = layer(x, mask, varlen, output_attentions)
             if output_hidden_states:
                 all_hidden.append(repad(x))
             if output_attentions:
