@@ -671,10 +671,15 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
                 start_positions=None, end_positions=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, **packing):
         r"""start_positions, end_positions: (B,) token indices of the answer span; positions outside the sequence
-        are clamped to T and ignored (as in transformers)."""
+        are clamped to T and ignored (as in transformers).
+
+        A span never starts or ends on padding: start/end logits there are the dtype's minimum, in the outputs and in
+        the loss. (transformers' BERT lets padding into the softmax, so with padding its loss differs from ours.)"""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
                         output_hidden_states, return_dict=True, **packing)
         logits = self.qa_outputs(out.last_hidden_state)  # (B, T, 2)
+        if attention_mask is not None:
+            logits = logits.masked_fill((attention_mask == 0).unsqueeze(-1), torch.finfo(logits.dtype).min)
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))  # each (B, T)
         loss = None
         if start_positions is not None and end_positions is not None:
