@@ -344,7 +344,7 @@ def test_truncated_safetensors_is_refused(tmp_path):
     bi.BertImplModel(BertImplConfig(**SMALL)).save_pretrained(tmp_path)
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(Exception, match="(?i)safetensors|incomplete|truncat|corrupt|header|too small"):
+    with pytest.raises(Exception, match="incomplete metadata|not fully covered"):  # safetensors refuses it
         bi.BertImplModel.from_pretrained(tmp_path)
 
 
