@@ -33,6 +33,11 @@ def _register() -> None:
 
 _register()
 
+# Importing the tokenizer registers it with AutoTokenizer for BertImplConfig (so it comes after the config).
+from tokenization import BertImplTokenizer  # noqa: E402
+
+from .model_card import write_model_card  # noqa: E402
+
 __all__ = [
     "PRESETS",
     "BertImplConfig",
@@ -46,4 +51,6 @@ __all__ = [
     "BertImplForTokenClassification",
     "BertImplForQuestionAnswering",
     "BertImplForMultipleChoice",
+    "BertImplTokenizer",
+    "write_model_card",
 ]

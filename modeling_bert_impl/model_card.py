@@ -66,7 +66,8 @@ print([(token, model.config.id2label[p]) for token, p in zip(inputs.tokens(), pr
 question, context = "Where is Hugging Face based?", "Hugging Face is based in New York City."
 inputs = tokenizer(question, context, return_tensors="pt")
 outputs = model(**inputs)
-start, end = outputs.start_logits.argmax(), outputs.end_logits.argmax()
+start = outputs.start_logits[0].argmax().item()
+end = start + outputs.end_logits[0, start:].argmax().item()  # the answer ends where it starts, or after
 print(tokenizer.decode(inputs["input_ids"][0, start : end + 1]))""",
     "AutoModelForMultipleChoice": """\
 prompt, choices = "The glass fell off the table.", ["It broke.", "It sang a song."]
