@@ -9,6 +9,7 @@ import ast
 import filecmp
 import json
 import os
+import pickle
 import re
 import sys
 import unicodedata
@@ -264,6 +265,13 @@ def test_decode_matches_reference(ours, ref):
     assert any(token.startswith("##") for token in ours.convert_ids_to_tokens(ids))
     assert ours.decode(ids, skip_special_tokens=True) == plain
     assert ours.decode(ids) == f"{ours.cls_token} {plain} {ours.sep_token}"
+
+
+def test_pickled_copy_encodes_the_same(ours, ref):
+    """`datasets.map(num_proc=...)` and DataLoader workers pickle the tokenizer."""
+    copy = pickle.loads(pickle.dumps(ours))
+    assert type(copy) is BertImplTokenizer
+    encodings_equal(copy(PAIRS, truncation=True, max_length=64), ref(PAIRS, truncation=True, max_length=64))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
