@@ -7,7 +7,7 @@ written, and, after a recipe, its metrics and the command that produced them.
 - After a recipe, Trainer's `push_to_hub` uploads its own card; upload ours after it (the last commit wins):
 
       trainer.push_to_hub()
-      readme = write_model_card(args.output_dir, trainer.model, metrics=metrics, command=sys.argv,
+      readme = write_model_card(args.output_dir, trainer.model, metrics=metrics, command=["python", *sys.argv],
                                 datasets=["nyu-mll/glue"], dataset_config="sst2", repo_id=trainer.hub_model_id)
       HfApi().upload_file(path_or_fileobj=readme, path_in_repo="README.md", repo_id=trainer.hub_model_id)
 
@@ -83,8 +83,8 @@ _CLASSIFICATION_READOUT = {
     "single_label_classification": "print(model.config.id2label[logits.argmax(-1).item()])",
 }
 
-# Trainer's metrics that measure speed or progress, not the model: kept out of the model-index.
-_NOT_QUALITY = ("runtime", "samples_per_second", "steps_per_second", "epoch", "total_flos")
+# Trainer's evaluation figures that measure speed, not the model: kept out of the model-index.
+_NOT_QUALITY = ("runtime", "samples_per_second", "steps_per_second")
 _SPLITS = {"eval": "validation", "test": "test", "predict": "test"}
 
 
@@ -135,19 +135,17 @@ def _is_number(value) -> bool:
 
 
 def eval_results(metrics: Mapping[str, float], task: str | None, dataset: str, dataset_config: str | None = None):
-    """Trainer-style metrics (`eval_accuracy`, `test_f1`, ...) as model-index entries: the prefix gives the split,
-    speed and progress figures (runtime, samples per second, epoch) are left out."""
+    """Trainer-style evaluation metrics (`eval_accuracy`, `test_f1`, ...) as model-index entries, the prefix giving
+    the split. Anything else (`train_loss`, `epoch`) and speed figures (`eval_runtime`, ...) are left out."""
     results = []
     for name, value in metrics.items():
         prefix, _, metric = name.partition("_")
-        split = _SPLITS.get(prefix)
-        if split is None:
-            split, metric = None, name
-        if not _is_number(value) or metric in _NOT_QUALITY:
+        if prefix not in _SPLITS or metric in _NOT_QUALITY or not _is_number(value):
             continue
         results.append(EvalResult(
             task_type=task or "other", dataset_type=dataset, dataset_name=dataset, dataset_config=dataset_config,
-            dataset_split=split, metric_type=metric, metric_name=metric, metric_value=value,
+            dataset_split=_SPLITS[prefix], metric_type=metric, metric_name=metric,
+            metric_value=float(value) if isinstance(value, float) else int(value),
         ))
     return results
 
@@ -169,9 +167,10 @@ def model_card(
         model_or_config: the model, or its config (the head is then read from `config.architectures`).
         repo_id: what the usage snippet loads: the Hub repository ("org/name"), or a local folder.
         metrics: name -> value, as `Trainer.evaluate()` returns them. All numbers are listed in the card; the
-            quality ones also go to the `model-index` metadata when `datasets` is given (its first entry is the
-            evaluation dataset; `dataset_config` its configuration, e.g. "sst2").
-        command: the command line that produced the model and the metrics (a string, or `sys.argv`).
+            evaluation ones (see `eval_results`) also go to the `model-index` metadata when `datasets` is given (its
+            first entry is the evaluation dataset; `dataset_config` its configuration, e.g. "sst2").
+        command: the command line that produced the model and the metrics: a string, or its arguments (such as
+            `["python", *sys.argv]`).
         base_model: the Hub id of the checkpoint this model was fine-tuned from.
         datasets: Hub ids of the training datasets.
         license: a Hub license identifier, e.g. "apache-2.0".

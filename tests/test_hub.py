@@ -264,6 +264,22 @@ def test_pull_by_repo_id_in_a_python_without_the_package(pushed, tokenizer, run_
                 with contextlib.redirect_stdout(io.StringIO()) as printed:
                     exec(compile(job["snippet"], "README.md of " + job["repo_id"], "exec"), {})
                 got["snippet_printed"] = printed.getvalue()
+
+        # ... and shares it again from the repository's code: same files, though transformers' card (ours needs
+        # bert-impl installed).
+        from huggingface_hub import CommitInfo, HfApi, RepoUrl
+        uploads = {}
+        def create_commit(api, repo_id, operations, **kwargs):
+            for op in operations:
+                with op.as_file() as f:
+                    uploads[op.path_in_repo] = f.read()
+            return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/{'0' * 40}", commit_message="",
+                              commit_description="", oid="0" * 40)
+        HfApi.create_repo = lambda api, repo_id, **kwargs: RepoUrl(f"https://huggingface.co/{repo_id}")
+        HfApi.create_commit = create_commit
+        model.push_to_hub("stranger/reshared")
+        result["reshared"] = dict(files=sorted(uploads), auto_map=json.loads(uploads["config.json"])["auto_map"],
+                                  readme=uploads["README.md"].decode())
         print(json.dumps(result))
     """, env={"HF_HUB_CACHE": str(hub.cache), "HF_MODULES_CACHE": str(tmp_path / "modules"),
               "HF_HOME": str(tmp_path / "hf-home")})
@@ -278,6 +294,9 @@ def test_pull_by_repo_id_in_a_python_without_the_package(pushed, tokenizer, run_
         assert got[repo_id]["snippet_printed"].strip(), repo_id
     assert_close(pushed["versions"][2]["outputs"], got["main"]["outputs"], "org/versions main")
     assert_close(pushed["versions"][1]["outputs"], got["v1"]["outputs"], "org/versions v1")
+    assert set(got["reshared"]["files"]) == MODEL_FILES
+    assert got["reshared"]["auto_map"] == json.loads(hub.files("org/versions")["config.json"])["auto_map"]
+    assert "bert_impl" not in got["reshared"]["readme"]
 
 
 def test_pull_by_repo_id_with_the_package_installed(pushed, monkeypatch):
@@ -371,7 +390,7 @@ def test_recipe_order_trainer_push_then_our_card(hub, tokenizer, tmp_path):
 def test_model_card_metadata_and_text(tokenizer):
     model = make_model("AutoModelForSequenceClassification", tokenizer, num_labels=1)  # regression
     card = model_card(model, "org/stsb", metrics={"eval_pearson": 0.88, "eval_samples_per_second": 99.0,
-                                                  "test_spearmanr": 0.86, "epoch": 2.0},
+                                                  "test_spearmanr": 0.86, "train_loss": 0.2, "epoch": 2.0},
                       command="python recipes/glue.py --task stsb", base_model="google-bert/bert-base-uncased",
                       datasets=["nyu-mll/glue"], dataset_config="stsb", license="apache-2.0")
     card = ModelCard(str(card))  # what a reader of README.md parses
