@@ -83,8 +83,9 @@ _CLASSIFICATION_READOUT = {
     "single_label_classification": "print(model.config.id2label[logits.argmax(-1).item()])",
 }
 
-# Trainer's evaluation figures that measure speed, not the model: kept out of the model-index.
-_NOT_QUALITY = ("runtime", "samples_per_second", "steps_per_second")
+# Evaluation figures that measure the run, not the model (Trainer's speeds, the example scripts' sample counts):
+# kept out of the model-index.
+_NOT_QUALITY = ("runtime", "samples_per_second", "steps_per_second", "samples")
 _SPLITS = {"eval": "validation", "test": "test", "predict": "test"}
 
 
@@ -136,7 +137,8 @@ def _is_number(value) -> bool:
 
 def eval_results(metrics: Mapping[str, float], task: str | None, dataset: str, dataset_config: str | None = None):
     """Trainer-style evaluation metrics (`eval_accuracy`, `test_f1`, ...) as model-index entries, the prefix giving
-    the split. Anything else (`train_loss`, `epoch`) and speed figures (`eval_runtime`, ...) are left out."""
+    the split. Anything else (`train_loss`, `epoch`) and figures of the run (`eval_runtime`, `eval_samples`, ...)
+    are left out."""
     results = []
     for name, value in metrics.items():
         prefix, _, metric = name.partition("_")

@@ -390,7 +390,8 @@ def test_recipe_order_trainer_push_then_our_card(hub, tokenizer, tmp_path):
 def test_model_card_metadata_and_text(tokenizer):
     model = make_model("AutoModelForSequenceClassification", tokenizer, num_labels=1)  # regression
     card = model_card(model, "org/stsb", metrics={"eval_pearson": 0.88, "eval_samples_per_second": 99.0,
-                                                  "test_spearmanr": 0.86, "train_loss": 0.2, "epoch": 2.0},
+                                                  "test_spearmanr": 0.86, "train_loss": 0.2, "epoch": 2.0,
+                                                  "eval_samples": 1500},
                       command="python recipes/glue.py --task stsb", base_model="google-bert/bert-base-uncased",
                       datasets=["nyu-mll/glue"], dataset_config="stsb", license="apache-2.0")
     card = ModelCard(str(card))  # what a reader of README.md parses
