@@ -26,6 +26,10 @@ class BertImplConfig(PreTrainedConfig):
         Run the encoder on real tokens only when the attention mask has padding (or the batch is packed): unpad once
         per forward, re-pad the outputs. Same outputs as the padded computation, less work. The `eager` attention
         implementation and `output_attentions=True` always take the padded path.
+    sparse_prediction (`bool`, defaults to `True`):
+        With MLM `labels`, run the vocabulary decoder on the masked positions only (labels != -100): the masked-LM and
+        pre-training heads then return logits for those M rows, (M, V) in row-major (B, T) order, and the same loss.
+        `False` returns the full (B, T, V) as transformers' BERT does. Without labels, logits are always (B, T, V).
     """
 
     model_type = "bert_impl"
@@ -46,6 +50,7 @@ class BertImplConfig(PreTrainedConfig):
     classifier_dropout: float | int | None = None
     tie_word_embeddings: bool = True
     unpad_inputs: bool = True
+    sparse_prediction: bool = True
 
     def __post_init__(self, **kwargs):
         # Stock BERT configs carry these; accept what this model implements, refuse the rest.

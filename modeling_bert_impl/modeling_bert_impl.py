@@ -92,29 +92,80 @@ class VarlenBatch(NamedTuple):
 
     cu_seqlens: torch.Tensor  # (S + 1,) int32
     max_seqlen: int
+    seqlens: list[int] | None  # (S,) on the host for the per-sequence kernel; None where reading it would sync
     indices: torch.Tensor  # (nnz,) each token's place in the left-aligned (S * max_seqlen) layout
     key_mask: torch.Tensor  # (S, 1, 1, max_seqlen) additive: 0 on real keys, dtype min on padding
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, nnz: int, dtype: torch.dtype) -> "VarlenBatch":
+        host = cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
+        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if host else None
         real = sequence_mask(cu_seqlens, max_seqlen)  # (S, max_seqlen)
         indices = torch.nonzero_static(real.flatten(), size=nnz).flatten()  # (nnz,)
         key_mask = torch.zeros(real.shape, dtype=dtype, device=real.device).masked_fill_(~real, torch.finfo(dtype).min)
-        return cls(cu_seqlens, max_seqlen, indices, key_mask[:, None, None, :])
+        return cls(cu_seqlens, max_seqlen, seqlens, indices, key_mask[:, None, None, :])
 
 
-def varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
-    """q, k, v: (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own sequence only."""
-    if flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        cu, t = batch.cu_seqlens, batch.max_seqlen
-        return flash_attn_varlen_func(q, k, v, cu, cu, t, t, dropout_p=dropout, softmax_scale=scaling)
-    # SDPA on the sequences laid out left-aligned at their own longest length (often shorter than the batch's T).
-    S, N, D = batch.cu_seqlens.numel() - 1, q.shape[1], q.shape[2]
+# Varlen kernels: q, k, v (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own sequence only. All
+# exact; `varlen_kernel` picks the fastest one the hardware offers.
+def flash_varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """flash-attention's variable-length kernel (CUDA, fp16/bf16): no padding anywhere."""
+    cu, t = batch.cu_seqlens, batch.max_seqlen
+    return flash_attn_varlen_func(q, k, v, cu, cu, t, t, dropout_p=dropout, softmax_scale=scaling)
+
+
+def nested_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """SDPA on jagged nested tensors: on CUDA, torch's own varlen flash / memory-efficient kernels."""
+    offsets = batch.cu_seqlens.long()
+    q, k, v = (
+        torch.nested.nested_tensor_from_jagged(t.contiguous(), offsets, max_seqlen=batch.max_seqlen).transpose(1, 2)
+        for t in (q, k, v)
+    )  # each (S, N, j, D), j the ragged length
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)  # (S, N, j, D)
+    return y.transpose(1, 2).values()  # (nnz, N, D)
+
+
+def per_sequence_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """One SDPA call per sequence on views of q, k, v: the exact work (sum of L^2, not S * T'^2), no padding copies.
+    The CPU kernel: a call costs microseconds there, and the sequence lengths are on the host already."""
+    y = [
+        F.scaled_dot_product_attention(  # 4-D (1, N, L, D) inputs take the fused CPU kernel
+            qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None], dropout_p=dropout, scale=scaling
+        )[0].transpose(0, 1)  # (L, N, D)
+        for qi, ki, vi in zip(q.split(batch.seqlens), k.split(batch.seqlens), v.split(batch.seqlens))
+        if qi.shape[0] > 0
+    ]
+    return torch.cat(y) if y else q.new_empty(q.shape)  # (nnz, N, D)
+
+
+def repadded_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """SDPA on the sequences laid out left-aligned at their own longest length T' (often shorter than the batch's T),
+    padding keys masked. Static shapes and one call: the kernel under torch.compile and the fallback elsewhere."""
+    S = batch.cu_seqlens.numel() - 1
     qkv = pad(torch.stack((q, k, v), dim=1), batch.indices, S, batch.max_seqlen)  # (S, T', 3, N, D)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (S, N, T', D)
     key_mask = batch.key_mask.to(q.dtype)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=dropout, scale=scaling)  # (S, N, T', D)
     return unpad(y.transpose(1, 2), batch.indices)  # (nnz, N, D)
+
+
+def varlen_kernel(q: torch.Tensor, batch: VarlenBatch):
+    """The fastest exact varlen kernel for q's device and dtype (capabilities detected, never configured)."""
+    if torch.compiler.is_compiling():
+        return repadded_attention
+    if q.is_cuda:
+        if flash_attn_varlen_func is not None and q.dtype in (torch.float16, torch.bfloat16):
+            return flash_varlen_attention
+        if hasattr(torch.nested, "nested_tensor_from_jagged"):
+            return nested_attention
+    if batch.seqlens is not None:
+        return per_sequence_attention
+    return repadded_attention
+
+
+def varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """q, k, v: (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own sequence only."""
+    return varlen_kernel(q, batch)(q, k, v, batch, scaling, dropout)
 
 
 class BertImplAttention(nn.Module):
@@ -229,6 +280,22 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     )
 
 
+def masked_lm(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None, sparse: bool):
+    """MLM logits and loss from hidden (B, T, H) and labels (B, T) (-100 where not masked) or None.
+
+    With labels and `sparse`, the decoder (H x V, the largest matmul of pre-training) runs on the M masked positions
+    only: logits are then (M, V), the rows of the full (B, T, V) logits at `labels != -100` in row-major order, and the
+    loss is the same. Otherwise logits are (B, T, V)."""
+    if labels is None:
+        return head(hidden), None
+    labels = labels.to(hidden.device)
+    if sparse:
+        masked = labels != -100  # (B, T)
+        hidden, labels = hidden[masked], labels[masked]  # (M, H), (M,)
+    logits = head(hidden)  # (B, T, V) or (M, V)
+    return logits, cross_entropy(logits, labels)
+
+
 def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config: BertImplConfig) -> torch.Tensor:
     """transformers' `problem_type` contract: regression (MSE), single-label (CE) or multi-label (BCE) classification.
     An unset problem_type is inferred from num_labels and the labels' dtype, and recorded in the config."""
@@ -303,7 +370,7 @@ class BertImplPreTrainedModel(PreTrainedModel):
         path = os.path.join(save_directory, "config.json")
         with open(path) as f:
             config = json.load(f)
-        for key in ("auto_map", "unpad_inputs"):
+        for key in ("auto_map", "unpad_inputs", "sparse_prediction"):
             config.pop(key, None)
         config.update(model_type="bert", architectures=[type(self).__name__.replace("BertImpl", "Bert", 1)])
         with open(path, "w") as f:
@@ -526,7 +593,7 @@ class BertImplForPreTrainingOutput(ModelOutput):
     loss: torch.FloatTensor | None = None
     mlm_loss: torch.FloatTensor | None = None
     nsp_loss: torch.FloatTensor | None = None
-    prediction_logits: torch.FloatTensor | None = None  # (B, T, V)
+    prediction_logits: torch.FloatTensor | None = None  # (B, T, V); (M, V) masked rows with labels, sparse_prediction
     seq_relationship_logits: torch.FloatTensor | None = None  # (B, 2)
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
@@ -553,12 +620,14 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, next_sentence_label=None, output_attentions=None, output_hidden_states=None,
                 return_dict=None, **packing):
-        r"""labels: (B, T) token ids at masked positions, -100 elsewhere. next_sentence_label: (B,) 0 = B follows A."""
+        r"""labels: (B, T) token ids at masked positions, -100 elsewhere. next_sentence_label: (B,) 0 = B follows A.
+
+        With labels and `config.sparse_prediction` (the default), `prediction_logits` holds the masked rows only:
+        (M, V), M = (labels != -100).sum(), in row-major (B, T) order. Otherwise (B, T, V)."""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
                         output_hidden_states, return_dict=True, **packing)
-        prediction_logits = self.mlm_head(out.last_hidden_state)  # (B, T, V)
+        prediction_logits, mlm_loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
         seq_relationship_logits = self.nsp_head(out.pooler_output)  # (B, 2)
-        mlm_loss = cross_entropy(prediction_logits, labels) if labels is not None else None
         nsp_loss = cross_entropy(seq_relationship_logits, next_sentence_label) if next_sentence_label is not None else None
         losses = [l for l in (mlm_loss, nsp_loss) if l is not None]
         result = BertImplForPreTrainingOutput(
@@ -586,10 +655,11 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, output_attentions=None, output_hidden_states=None, return_dict=None, **packing):
+        r"""labels: (B, T) token ids at masked positions, -100 elsewhere. With labels and `config.sparse_prediction`
+        (the default), `logits` holds the masked rows only: (M, V) in row-major (B, T) order. Otherwise (B, T, V)."""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
                         output_hidden_states, return_dict=True, **packing)
-        logits = self.mlm_head(out.last_hidden_state)  # (B, T, V)
-        loss = cross_entropy(logits, labels) if labels is not None else None
+        logits, loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
         result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
         return result if return_dict is not False else result.to_tuple()
 
