@@ -45,3 +45,48 @@ def sequence_mask(cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """cu_seqlens (S + 1,) -> (S, max_seqlen) bool, True on the real tokens of each (left-aligned) sequence."""
     seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).unsqueeze(-1)  # (S, 1)
     return torch.arange(max_seqlen, device=cu_seqlens.device) < seqlens
+
+
+def length_groups(seqlens: list[int], group_cost: int) -> list[list[int]]:
+    """Host lengths (S,) -> groups of sequence indices, each group to be padded to its longest member.
+
+    The sequences, sorted by length, are cut into runs that minimise padded rows + `group_cost` per group (exact
+    dynamic programming over the cuts between distinct lengths). Empty sequences are in no group."""
+    order = sorted((s for s, n in enumerate(seqlens) if n > 0), key=seqlens.__getitem__)
+    cuts = [0] + [i + 1 for i in range(len(order)) if i + 1 == len(order) or seqlens[order[i + 1]] != seqlens[order[i]]]
+    best, prev = [0] + [float("inf")] * (len(cuts) - 1), [0] * len(cuts)  # best[j]: cost of order[:cuts[j]]
+    for j in range(1, len(cuts)):
+        longest = seqlens[order[cuts[j] - 1]]
+        for i in range(j):
+            cost = best[i] + (cuts[j] - cuts[i]) * longest + group_cost
+            if cost < best[j]:
+                best[j], prev[j] = cost, i
+    groups, j = [], len(cuts) - 1
+    while j > 0:
+        groups.append(order[cuts[prev[j]]:cuts[j]])
+        j = prev[j]
+    return groups[::-1]
+
+
+def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]]):
+    """cu_seqlens (S + 1,) over nnz tokens, groups from `length_groups` -> the rows of the bucketed layout:
+
+    rows (P,): the token each row holds; group after group, sequence after sequence, a sequence's tokens then copies
+        of its last token up to its group's longest length T_g (P = sum of s_g * T_g);
+    real (P,) bool: the rows that hold their token for the first time (nnz of them);
+    first (S,): the row of each sequence's first token (0 for an empty sequence);
+    shapes: (s_g, T_g) per group."""
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (S,)
+    first = torch.zeros_like(starts)
+    rows, real, shapes, offset = [], [], [], 0
+    for group in groups:
+        g = torch.tensor(group, device=starts.device)  # (s_g,)
+        T_g = int(lengths[g].max())
+        pos = torch.arange(T_g, device=starts.device)  # (T_g,)
+        rows.append((starts[g, None] + torch.minimum(pos, lengths[g, None] - 1)).flatten())  # (s_g * T_g,)
+        real.append((pos < lengths[g, None]).flatten())
+        first[g] = offset + torch.arange(len(group), device=starts.device) * T_g
+        shapes.append((len(group), T_g))
+        offset += len(group) * T_g
+    empty = starts.new_zeros(0)
+    return (torch.cat(rows) if rows else empty), (torch.cat(real) if real else empty.bool()), first, shapes

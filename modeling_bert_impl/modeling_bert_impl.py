@@ -33,7 +33,16 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 
-from .bert_padding import cu_seqlens_from_position_ids, cu_seqlens_from_seq_idx, pad, sequence_mask, unpad, unpad_indices
+from .bert_padding import (
+    bucketed_rows,
+    cu_seqlens_from_position_ids,
+    cu_seqlens_from_seq_idx,
+    length_groups,
+    pad,
+    sequence_mask,
+    unpad,
+    unpad_indices,
+)
 from .configuration_bert_impl import BertImplConfig
 
 try:  # optional: flash-attention's variable-length kernel, used on CUDA for fp16/bf16
@@ -87,27 +96,67 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+# The unpadded encoder runs on P rows (not B * T positions) in one of two layouts, each knowing how to attend:
+# - VarlenBatch, exact (P = nnz): the varlen kernels below; on CUDA, and on any device under torch.compile.
+# - BucketedBatch (CPU): sequences sorted by length into a few groups, each padded to its longest (P a few percent over
+#   nnz), so that attention takes each group as a plain padded batch straight from views of the rows: no copies per
+#   layer, no per-sequence calls. On CPU this measured fastest (benchmarks/RESULTS.md); copies cost more than the
+#   few padded rows there.
 class VarlenBatch(NamedTuple):
     """What attention needs to treat (nnz, ...) tokens as S separate sequences; built once per forward."""
 
     cu_seqlens: torch.Tensor  # (S + 1,) int32
     max_seqlen: int
-    seqlens: list[int] | None  # (S,) on the host for the per-sequence kernel; None where reading it would sync
     indices: torch.Tensor  # (nnz,) each token's place in the left-aligned (S * max_seqlen) layout
     key_mask: torch.Tensor  # (S, 1, 1, max_seqlen) additive: 0 on real keys, dtype min on padding
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, nnz: int, dtype: torch.dtype) -> "VarlenBatch":
-        host = cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
-        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() if host else None
         real = sequence_mask(cu_seqlens, max_seqlen)  # (S, max_seqlen)
         indices = torch.nonzero_static(real.flatten(), size=nnz).flatten()  # (nnz,)
-        key_mask = torch.zeros(real.shape, dtype=dtype, device=real.device).masked_fill_(~real, torch.finfo(dtype).min)
-        return cls(cu_seqlens, max_seqlen, seqlens, indices, key_mask[:, None, None, :])
+        return cls(cu_seqlens, max_seqlen, indices, additive_mask(real, dtype)[:, None, None, :])
+
+    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
+        """q, k, v: (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own sequence only."""
+        return varlen_kernel(q)(q, k, v, self, scaling, dropout)
 
 
-# Varlen kernels: q, k, v (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own sequence only. All
-# exact; `varlen_kernel` picks the fastest one the hardware offers.
+class BucketedBatch(NamedTuple):
+    """Groups of sequences padded to their group's longest, laid out one after the other; built once per forward."""
+
+    shapes: tuple[tuple[int, int], ...]  # (s_g, T_g) per group, in row order: group g is s_g * T_g rows
+    key_masks: tuple[torch.Tensor, ...]  # (s_g, 1, 1, T_g) per group, additive: 0 on real keys, dtype min on filler
+
+    @classmethod
+    def build(cls, real: torch.Tensor, shapes: list[tuple[int, int]], dtype: torch.dtype) -> "BucketedBatch":
+        """real: (P,) bool, the rows holding real tokens; shapes from `bucketed_rows`."""
+        groups = real.split([s * t for s, t in shapes])
+        masks = tuple(additive_mask(r.view(s, t), dtype)[:, None, None, :] for r, (s, t) in zip(groups, shapes))
+        return cls(tuple(shapes), masks)
+
+    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
+        """q, k, v: (P, N, D) -> (P, N, D), one SDPA call per group on views of q, k, v."""
+        sizes = [s * t for s, t in self.shapes]
+        y = []
+        for (s, t), mask, qg, kg, vg in zip(self.shapes, self.key_masks, q.split(sizes), k.split(sizes), v.split(sizes)):
+            qg, kg, vg = (x.unflatten(0, (s, t)).transpose(1, 2) for x in (qg, kg, vg))  # each (s_g, N, T_g, D)
+            yg = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask.to(qg.dtype), dropout_p=dropout, scale=scaling)
+            y.append(yg.transpose(1, 2).flatten(0, 1))  # (s_g * T_g, N, D)
+        return torch.cat(y) if len(y) > 1 else (y[0] if y else q)
+
+
+# Groups are cut where one more SDPA call saves more than this many padded rows (tuned on CPU with bench_model.py).
+BUCKET_GROUP_COST = 32
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool -> additive mask of the same shape: 0 where allowed, the dtype's minimum elsewhere (finite, so a row with
+    nothing allowed still gives a finite softmax)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+# Varlen kernels for the exact layout: q, k, v (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own
+# sequence only. `varlen_kernel` picks the fastest one the hardware offers.
 def flash_varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
     """flash-attention's variable-length kernel (CUDA, fp16/bf16): no padding anywhere."""
     cu, t = batch.cu_seqlens, batch.max_seqlen
@@ -125,19 +174,6 @@ def nested_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float
     return y.transpose(1, 2).values()  # (nnz, N, D)
 
 
-def per_sequence_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
-    """One SDPA call per sequence on views of q, k, v: the exact work (sum of L^2, not S * T'^2), no padding copies.
-    The CPU kernel: a call costs microseconds there, and the sequence lengths are on the host already."""
-    y = [
-        F.scaled_dot_product_attention(  # 4-D (1, N, L, D) inputs take the fused CPU kernel
-            qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None], dropout_p=dropout, scale=scaling
-        )[0].transpose(0, 1)  # (L, N, D)
-        for qi, ki, vi in zip(q.split(batch.seqlens), k.split(batch.seqlens), v.split(batch.seqlens))
-        if qi.shape[0] > 0
-    ]
-    return torch.cat(y) if y else q.new_empty(q.shape)  # (nnz, N, D)
-
-
 def repadded_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
     """SDPA on the sequences laid out left-aligned at their own longest length T' (often shorter than the batch's T),
     padding keys masked. Static shapes and one call: the kernel under torch.compile and the fallback elsewhere."""
@@ -149,23 +185,29 @@ def repadded_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: flo
     return unpad(y.transpose(1, 2), batch.indices)  # (nnz, N, D)
 
 
-def varlen_kernel(q: torch.Tensor, batch: VarlenBatch):
+def varlen_kernel(q: torch.Tensor):
     """The fastest exact varlen kernel for q's device and dtype (capabilities detected, never configured)."""
-    if torch.compiler.is_compiling():
-        return repadded_attention
-    if q.is_cuda:
+    if q.is_cuda and not torch.compiler.is_compiling():
         if flash_attn_varlen_func is not None and q.dtype in (torch.float16, torch.bfloat16):
             return flash_varlen_attention
         if hasattr(torch.nested, "nested_tensor_from_jagged"):
             return nested_attention
-    if batch.seqlens is not None:
-        return per_sequence_attention
     return repadded_attention
 
 
-def varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
-    """q, k, v: (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own sequence only."""
-    return varlen_kernel(q, batch)(q, k, v, batch, scaling, dropout)
+class UnpaddedLayout(NamedTuple):
+    """Where the unpadded encoder's P rows come from in the (B, T) input and go back to; built once per forward."""
+
+    grid: torch.Tensor  # (P,) each row's position in the flattened (B * T) input
+    real: torch.Tensor | None  # (nnz,) the rows that hold real tokens, once each; None when every row does
+    first: torch.Tensor  # (S,) the row of each sequence's first token ([CLS])
+    attention: VarlenBatch | BucketedBatch
+
+    def repad(self, h: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+        """(P, ...) -> (B, T, ...), zeros at padding."""
+        if self.real is None:
+            return pad(h, self.grid, batch, seqlen)
+        return pad(h[self.real], self.grid[self.real], batch, seqlen)
 
 
 class BertImplAttention(nn.Module):
@@ -184,11 +226,12 @@ class BertImplAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.out = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x, attention_mask=None, varlen: VarlenBatch | None = None, output_attentions: bool = False):
+    def forward(self, x, attention_mask=None, varlen: VarlenBatch | BucketedBatch | None = None,
+                output_attentions: bool = False):
         dropout = self.dropout if self.training else 0.0
-        if varlen is not None:  # x: (nnz, H)
-            q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # each (nnz, N, D)
-            y, weights = varlen_attention(q, k, v, varlen, self.scaling, dropout), None  # (nnz, N, D)
+        if varlen is not None:  # x: (P, H), the rows of an unpadded layout
+            q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # each (P, N, D)
+            y, weights = varlen.attend(q, k, v, self.scaling, dropout), None  # (P, N, D)
         else:  # x: (B, T, H)
             qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, N, T, D)
@@ -211,7 +254,7 @@ class BertImplFeedForward(nn.Module):
 
 
 class BertImplLayer(GradientCheckpointingLayer):
-    """Post-LN Transformer layer: x = LN(x + attn(x)); x = LN(x + ffn(x)). Any leading shape: (B, T, H) or (nnz, H)."""
+    """Post-LN Transformer layer: x = LN(x + attn(x)); x = LN(x + ffn(x)). Any leading shape: (B, T, H) or (P, H)."""
 
     def __init__(self, config: BertImplConfig, layer_idx: int):
         super().__init__()
@@ -221,7 +264,8 @@ class BertImplLayer(GradientCheckpointingLayer):
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, x, attention_mask=None, varlen: VarlenBatch | None = None, output_attentions: bool = False):
+    def forward(self, x, attention_mask=None, varlen: VarlenBatch | BucketedBatch | None = None,
+                output_attentions: bool = False):
         a, weights = self.attn(x, attention_mask, varlen, output_attentions)
         x = self.attn_norm(x + self.dropout(a))
         x = self.ffn_norm(x + self.dropout(self.ffn(x)))
@@ -447,23 +491,12 @@ class BertImplModel(BertImplPreTrainedModel):
         )
 
         if unpadded:
-            if packed:
-                indices = None
-                cu_seqlens = self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids)
-                lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-                max_seqlen = int(max_length_q) if max_length_q is not None else int(lengths.max())
-            else:
-                indices, cu_seqlens = unpad_indices(attention_mask, stats["nnz"])
-                max_seqlen = stats["max_seqlen"]
-            flat = lambda t: unpad(t, indices) if indices is not None else t.flatten(0, 1)  # (B, T, ...) -> (nnz, ...)
-            x = self.embeddings(
-                flat(input_ids) if input_ids is not None else None,
-                flat(token_type_ids),
-                flat(position_ids),
-                flat(inputs_embeds) if inputs_embeds is not None else None,
-            )  # (nnz, H)
-            varlen = VarlenBatch.build(cu_seqlens, max_seqlen, x.shape[0], x.dtype)
-            repad = (lambda h: pad(h, indices, B, T)) if indices is not None else (lambda h: h.unsqueeze(0))
+            dtype = inputs_embeds.dtype if inputs_embeds is not None else self.embeddings.word_embeddings.weight.dtype
+            layout = self._unpadded_layout(attention_mask, packed, stats, cu_seq_lens_q, max_length_q, seq_idx,
+                                           position_ids, device, dtype)
+            flat = lambda t: unpad(t, layout.grid) if t is not None else None  # (B, T, ...) -> (P, ...)
+            x = self.embeddings(flat(input_ids), flat(token_type_ids), flat(position_ids), flat(inputs_embeds))  # (P, H)
+            varlen, repad = layout.attention, (lambda h: layout.repad(h, B, T))
             mask = None
         else:
             x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
@@ -482,8 +515,7 @@ class BertImplModel(BertImplPreTrainedModel):
         pooled = None
         if self.pooler is not None:  # [CLS] is the first real token of each sequence
             if varlen is not None:
-                first = varlen.cu_seqlens[:-1].clamp(max=x.shape[0] - 1).long()  # (S,)
-                pooled = self.pooler(x[first])
+                pooled = self.pooler(x[layout.first])
             elif packed:
                 pooled = self.pooler(x[0, self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids)[:-1].long()])
             else:
@@ -498,6 +530,28 @@ class BertImplModel(BertImplPreTrainedModel):
             attentions=tuple(all_attentions) if output_attentions else None,
         )
         return out if return_dict else out.to_tuple()
+
+    def _unpadded_layout(self, attention_mask, packed, stats, cu_seq_lens_q, max_length_q, seq_idx, position_ids,
+                         device, dtype) -> UnpaddedLayout:
+        """The rows the unpadded encoder runs on: the real tokens (exact layout) on CUDA and under torch.compile, the
+        bucketed layout on CPU (see BucketedBatch)."""
+        if packed:  # (1, T): every position is a token
+            tokens = torch.arange(position_ids.shape[1], device=device)  # (nnz,)
+            cu_seqlens = self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids)
+        else:
+            tokens, cu_seqlens = unpad_indices(attention_mask, stats["nnz"])  # (nnz,), (S + 1,)
+        if device.type == "cpu" and not torch.compiler.is_compiling():
+            groups = length_groups((cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), BUCKET_GROUP_COST)
+            rows, real, first, shapes = bucketed_rows(cu_seqlens, groups)  # (P,), (P,), (S,)
+            return UnpaddedLayout(tokens[rows], real.nonzero().flatten(), first, BucketedBatch.build(real, shapes, dtype))
+        if packed:
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+            max_seqlen = int(max_length_q) if max_length_q is not None else int(lengths.max())
+        else:
+            max_seqlen = stats["max_seqlen"]
+        nnz = tokens.numel()
+        first = cu_seqlens[:-1].clamp(max=max(nnz - 1, 0)).long()  # (S,)
+        return UnpaddedLayout(tokens, None, first, VarlenBatch.build(cu_seqlens, max_seqlen, nnz, dtype))
 
     def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
         """Validate shapes, dtypes and id ranges with a clear ValueError. Returns B, T and the batch statistics the
@@ -580,7 +634,7 @@ class BertImplModel(BertImplPreTrainedModel):
             allowed = (attention_mask != 0)[:, None, None, :]  # (B, 1, 1, T)
         else:
             return None
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return additive_mask(allowed, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
