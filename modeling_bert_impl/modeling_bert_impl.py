@@ -53,8 +53,8 @@ except ImportError:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoints: one declarative map from stock BERT keys (transformers' BertModel / BertForX) to ours. transformers
-# applies it when loading (renamings in order, then the QKV fusion) and reverses it when saving, so our folders hold
-# stock key names and stock folders load into our classes.
+# applies it when loading (renamings in order, then the QKV fusion; our own names pass through untouched), so stock
+# folders load into our classes; `save_stock_pretrained` applies it in reverse to write stock folders.
 # ---------------------------------------------------------------------------------------------------------------------
 STOCK_TO_OURS = [
     ("embeddings.LayerNorm", "embeddings.norm"),
@@ -380,13 +380,17 @@ class BertImplPreTrainedModel(PreTrainedModel):
     # Weights are initialised by PreTrainedModel._init_weights: Linear and Embedding ~ N(0, initializer_range), biases
     # and the padding embedding zero, LayerNorm to identity.
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
         """As transformers' save_pretrained, with `auto_map` naming every head, so that the saved folder (which
-        carries the code files) loads through any Auto class with `trust_remote_code=True`."""
+        carries the code files) loads through any Auto class with `trust_remote_code=True`.
+
+        Weights are written under this model's own parameter names: Trainer's `--resume_from_checkpoint` and
+        `load_best_model_at_end` load a checkpoint's state dict as it is, and must find our names in it. (Loading
+        accepts both our names and stock ones; `save_stock_pretrained` writes the stock ones.)"""
         module = type(self).__module__.rsplit(".", 1)[-1]
         auto_map = {auto: f"{module}.{cls.__name__}" for auto, cls in AUTO_CLASSES.items()}
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
 
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         """push_to_hub's upload step (also `save_pretrained(push_to_hub=True)`'s): where bert-impl is installed, the
@@ -402,12 +406,12 @@ class BertImplPreTrainedModel(PreTrainedModel):
     def save_stock_pretrained(self, save_directory: str, **kwargs) -> None:
         """Write a folder that plain transformers loads as its own `BertModel` / `BertForX` (model_type "bert").
 
-        The weights are already written under stock key names (`checkpoint_conversion()` reversed); only the config
-        differs: stock model_type and architecture, no `auto_map`, no fields of ours, no code files."""
+        The weights are written under stock key names (`checkpoint_conversion()` reversed), and the config with the
+        stock model_type and architecture, no `auto_map`, no fields of ours; no code files."""
         import json
         import os
 
-        self.save_pretrained(save_directory, **kwargs)
+        self.save_pretrained(save_directory, save_original_format=True, **kwargs)
         for name in os.listdir(save_directory):
             if name.endswith(".py"):
                 os.remove(os.path.join(save_directory, name))

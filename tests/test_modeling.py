@@ -382,3 +382,18 @@ def test_device_map_auto_loads(tmp_path):
     bi.BertImplForSequenceClassification(BertImplConfig(**SMALL)).save_pretrained(tmp_path)
     model = bi.BertImplForSequenceClassification.from_pretrained(tmp_path, device_map="auto")
     assert model(torch.randint(0, 99, (1, 4))).logits.shape == (1, 3)
+
+
+def test_saved_weights_are_our_state_dict_so_trainer_resume_loads_them(tmp_path):
+    """Trainer's resume_from_checkpoint / load_best_model_at_end call load_state_dict on the file's keys as they are."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = bi.BertImplForPreTraining(BertImplConfig(**SMALL))
+    model.save_pretrained(tmp_path)
+    fresh = bi.BertImplForPreTraining(BertImplConfig(**SMALL))
+    result = fresh.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=False)
+    assert not result.unexpected_keys
+    assert result.missing_keys == ["mlm_head.decoder.weight"]  # tied to the word embeddings, not stored
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
