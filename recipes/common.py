@@ -1,0 +1,184 @@
+"""What the fine-tuning recipes share: their command-line arguments, loading the tokenizer and the data, and the end of
+a run (train, save the model and the tokenizer, record metrics, write the model card).
+
+The recipes run as scripts (`python recipes/run_glue.py ...`, `torchrun ...`, `accelerate launch ...`): the script's
+folder is first on `sys.path`, so they import this module, `metrics` and `qa_utils` by their plain names.
+"""
+
+import csv
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+
+import datasets
+import transformers
+from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(
+        metadata={"help": "A bert-impl folder, a stock BERT folder (model_type 'bert') or a Hub id of either."}
+    )
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "The tokenizer's folder or Hub id, if not the model's."}
+    )
+    cache_dir: str | None = field(default=None, metadata={"help": "Where to keep models and data from the Hub."})
+    ignore_mismatched_sizes: bool = field(
+        default=False, metadata={"help": "Re-initialise a checkpoint's head when its number of labels differs."}
+    )
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(default=None, metadata={"help": "A data set on the Hub."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration."})
+    train_file: str | None = field(default=None, metadata={"help": "Training data file."})
+    validation_file: str | None = field(default=None, metadata={"help": "Evaluation data file."})
+    test_file: str | None = field(default=None, metadata={"help": "Prediction data file (labels optional)."})
+    max_seq_length: int = field(
+        default=128, metadata={"help": "Tokens per sequence after tokenization; longer inputs are truncated."}
+    )
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata={"help": "Pad every sequence to max_seq_length (default: pad each batch to its longest sequence)."},
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N training examples."})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "Keep the first N evaluation examples."})
+    max_predict_samples: int | None = field(default=None, metadata={"help": "Keep the first N test examples."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for preprocessing."})
+    overwrite_cache: bool = field(default=False, metadata={"help": "Redo the preprocessing instead of reusing it."})
+
+    def __post_init__(self):
+        if self.dataset_name is None and not (self.train_file or self.validation_file or self.test_file):
+            raise ValueError("give --dataset_name (or --task_name) or at least one of --train_file, --validation_file, "
+                             "--test_file")
+
+
+def parse_args(data_class: type, argv: list[str] | None = None):
+    """(ModelArguments, data_class, TrainingArguments) from `argv` (default: the command line), or from the one JSON
+    file `argv` names."""
+    parser = HfArgumentParser((ModelArguments, data_class, TrainingArguments))
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def setup_logging(training_args: TrainingArguments) -> None:
+    """Log to stdout; the main process at the level asked for (default: warnings), the others at warnings only."""
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    level = training_args.get_process_log_level()
+    logging.getLogger().setLevel(level)
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+    logger.info(f"Training/evaluation parameters {training_args}")
+
+
+def load_tokenizer(model_args: ModelArguments):
+    """The project's `BertImplTokenizer` when the `tokenization` package is importable, else `AutoTokenizer`."""
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    try:
+        from tokenization import BertImplTokenizer
+    except ImportError:
+        return AutoTokenizer.from_pretrained(name, cache_dir=model_args.cache_dir)
+    return BertImplTokenizer.from_pretrained(name, cache_dir=model_args.cache_dir)
+
+
+def sequence_length(data_args: DataArguments, tokenizer) -> int:
+    """--max_seq_length, capped at what the tokenizer (and so the model) accepts."""
+    if data_args.max_seq_length > tokenizer.model_max_length:
+        logger.warning(f"max_seq_length {data_args.max_seq_length} is longer than the model accepts; "
+                       f"using {tokenizer.model_max_length}")
+        return tokenizer.model_max_length
+    return data_args.max_seq_length
+
+
+def read_table(path: str) -> datasets.Dataset:
+    """A CSV, TSV (tab-separated, unquoted: GLUE's original files), JSON or JSON-lines file as a Dataset."""
+    extension = path.rsplit(".", 1)[-1].lower()
+    if extension == "tsv":
+        return datasets.load_dataset("csv", data_files=path, delimiter="\t", quoting=csv.QUOTE_NONE, split="train")
+    if extension == "csv":
+        return datasets.load_dataset("csv", data_files=path, split="train")
+    if extension in ("json", "jsonl"):
+        return datasets.load_dataset("json", data_files=path, split="train")
+    raise ValueError(f"{path}: expected a .csv, .tsv, .json or .jsonl file")
+
+
+def load_data(data_args: DataArguments, cache_dir: str | None = None, read_file=read_table) -> datasets.DatasetDict:
+    """--dataset_name (with --dataset_config_name) from the Hub, or the --train_file, --validation_file and
+    --test_file files as the splits "train", "validation" and "test", each read by `read_file(path)`."""
+    if data_args.dataset_name is not None:
+        return datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name, cache_dir=cache_dir)
+    files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
+    return datasets.DatasetDict({split: read_file(path) for split, path in files.items() if path})
+
+
+def take(dataset: datasets.Dataset, n: int | None) -> datasets.Dataset:
+    """The first n examples (all of them when n is None)."""
+    return dataset if n is None else dataset.select(range(min(n, len(dataset))))
+
+
+def preprocess(dataset, function, training_args: TrainingArguments, data_args: DataArguments, desc: str, **kwargs):
+    """`dataset.map(function, batched=True)`, the main process first so that the others reuse its cache."""
+    with training_args.main_process_first(desc=desc):
+        return dataset.map(
+            function,
+            batched=True,
+            num_proc=data_args.preprocessing_num_workers,
+            load_from_cache_file=not data_args.overwrite_cache,
+            desc=desc,
+            **kwargs,
+        )
+
+
+def train_and_save(trainer: Trainer, training_args: TrainingArguments, num_examples: int) -> dict:
+    """Train, save the model (`save_pretrained`) and the tokenizer into --output_dir, and record the train metrics."""
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model()  # the model and, as the Trainer's processing_class, the tokenizer
+    trainer.save_state()
+    metrics = {**result.metrics, "train_samples": num_examples}
+    record(trainer, "train", metrics)
+    return metrics
+
+
+def record(trainer: Trainer, split: str, metrics: dict) -> None:
+    """Log metrics and save them to {split}_results.json and, merged with the other splits', all_results.json."""
+    trainer.log_metrics(split, metrics)
+    trainer.save_metrics(split, metrics)
+
+
+def finish(trainer: Trainer, model_args: ModelArguments, metrics: dict, script: str, argv: list[str] | None = None,
+           dataset: str | None = None, dataset_config: str | None = None) -> None:
+    """After the run: push to the Hub if asked, and write the model card (README.md: the model, `metrics`, the command
+    line) into --output_dir, on the main process only. Without the project's model_card module the card is skipped
+    with a warning."""
+    args = trainer.args
+    if args.push_to_hub:
+        trainer.push_to_hub()  # uploads transformers' generic card; ours replaces it below
+    if not trainer.is_world_process_zero():
+        return
+    try:
+        from modeling_bert_impl.model_card import write_model_card
+    except ImportError as error:
+        logger.warning(f"no model card written: {error}")
+        return
+    command = ["python", f"recipes/{os.path.basename(script)}", *(sys.argv[1:] if argv is None else argv)]
+    base_model = None if os.path.isdir(model_args.model_name_or_path) else model_args.model_name_or_path
+    readme = write_model_card(
+        args.output_dir, trainer.model, metrics=metrics, command=command, base_model=base_model,
+        datasets=[dataset] if dataset else None, dataset_config=dataset_config,
+        repo_id=trainer.hub_model_id if args.push_to_hub else None,
+    )
+    if args.push_to_hub:
+        from huggingface_hub import HfApi
+
+        HfApi().upload_file(path_or_fileobj=readme, path_in_repo="README.md", repo_id=trainer.hub_model_id)

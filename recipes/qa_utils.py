@@ -1,0 +1,221 @@
+"""SQuAD for `run_qa.py`, in pure Python (no model, tokenizer or array library), so every step is unit-testable.
+
+- `flatten_squad`: the official nested SQuAD JSON -> one record per question, in the `datasets` layout.
+- `answer_token_span`: the token span of an answer inside one window of a tokenized context (training labels).
+- `postprocess_qa_predictions`: start/end logits of every window -> one answer text per question (n-best decoding,
+  SQuAD v2 no-answer decision).
+- `squad_metrics`: exact match and F1 as the official SQuAD v1.1 / v2.0 evaluation scripts compute them.
+"""
+
+import collections
+import heapq
+import math
+import re
+import string
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------------------------
+def flatten_squad(squad: dict) -> list[dict]:
+    """The official nested layout `{"data": [{"title", "paragraphs": [{"context", "qas": [{"id", "question",
+    "answers": [{"text", "answer_start"}], "is_impossible"}]}]}]}` -> records `{"id", "title", "context", "question",
+    "answers": {"text": [...], "answer_start": [...]}}`. Impossible (v2) questions get empty answer lists; their
+    `plausible_answers` are dropped."""
+    records = []
+    for article in squad["data"]:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                answers = [] if qa.get("is_impossible", False) else qa.get("answers", [])
+                records.append({
+                    "id": str(qa["id"]),
+                    "title": article.get("title", ""),
+                    "context": paragraph["context"],
+                    "question": qa["question"],
+                    "answers": {
+                        "text": [a["text"] for a in answers],
+                        "answer_start": [int(a["answer_start"]) for a in answers],
+                    },
+                })
+    return records
+
+
+def answer_token_span(offsets, sequence_ids, start_char: int, end_char: int, cls_index: int = 0) -> tuple[int, int]:
+    """The (start, end) token indices, both inclusive, of the answer characters [start_char, end_char) of the context
+    within one tokenized window, or (cls_index, cls_index) when the answer is not wholly inside the window.
+
+    offsets: (char_start, char_end) per token; sequence_ids: 1 on context tokens (0 question, None special/padding).
+    """
+    context = [i for i, s in enumerate(sequence_ids) if s == 1]
+    if not context:
+        return cls_index, cls_index
+    first, last = context[0], context[-1]
+    if not (offsets[first][0] <= start_char and offsets[last][1] >= end_char):
+        return cls_index, cls_index
+    start = first
+    while start <= last and offsets[start][0] <= start_char:
+        start += 1
+    end = last
+    while end >= first and offsets[end][1] >= end_char:
+        end -= 1
+    return start - 1, end + 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Post-processing
+# ---------------------------------------------------------------------------------------------------------------------
+def _as_list(values) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def _top_indices(values: list, n: int) -> list[int]:
+    return heapq.nlargest(n, range(len(values)), key=values.__getitem__)
+
+
+def postprocess_qa_predictions(
+    examples,
+    features,
+    all_start_logits,
+    all_end_logits,
+    version_2_with_negative: bool = False,
+    n_best_size: int = 20,
+    max_answer_length: int = 30,
+    null_score_diff_threshold: float = 0.0,
+) -> tuple[dict[str, str], dict[str, float]]:
+    """Turn window-level logits into one answer per question.
+
+    examples: records with "id" and "context". features: one per window, in the order of the logits, with
+    "example_id" (the id of its question) and "offset_mapping" (per token, (char_start, char_end) into the context,
+    or None for tokens that are not context: question, special tokens, padding). all_start_logits, all_end_logits:
+    per window, a sequence of logits (longer than the window is fine: trailing values are ignored).
+
+    A candidate is a span (start, end) of context tokens in one window with end >= start and at most
+    `max_answer_length` tokens, among the `n_best_size` best starts and ends of that window; its score is
+    start_logit + end_logit. The answer is the text of the best candidate over all windows of the question.
+
+    With `version_2_with_negative`, the null score is the lowest [CLS] score (start_logit[0] + end_logit[0]) over the
+    question's windows, and the answer is "" (no answer) when null score - best span score > null_score_diff_threshold.
+
+    Returns (predictions: id -> text, null_odds: id -> null score - best span score, for v2 only: empty for v1).
+    A question without any valid span gets "" and, for v2, odds of +inf.
+    """
+    features_by_example = collections.defaultdict(list)
+    for index, feature in enumerate(features):
+        features_by_example[feature["example_id"]].append(index)
+
+    predictions, null_odds = {}, {}
+    for example in examples:
+        context = example["context"]
+        best_score, best_text, null_score = -math.inf, "", math.inf
+        for index in features_by_example[example["id"]]:
+            offsets = features[index]["offset_mapping"]
+            start_logits = _as_list(all_start_logits[index])[: len(offsets)]
+            end_logits = _as_list(all_end_logits[index])[: len(offsets)]
+            null_score = min(null_score, start_logits[0] + end_logits[0])
+            for start in _top_indices(start_logits, n_best_size):
+                for end in _top_indices(end_logits, n_best_size):
+                    if offsets[start] is None or offsets[end] is None:
+                        continue
+                    if end < start or end - start + 1 > max_answer_length:
+                        continue
+                    score = start_logits[start] + end_logits[end]
+                    if score > best_score:
+                        best_score, best_text = score, context[offsets[start][0] : offsets[end][1]]
+        if version_2_with_negative:
+            null_odds[example["id"]] = null_score - best_score
+            predictions[example["id"]] = "" if null_score - best_score > null_score_diff_threshold else best_text
+        else:
+            predictions[example["id"]] = best_text
+    return predictions, null_odds
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The official SQuAD metric
+# ---------------------------------------------------------------------------------------------------------------------
+_PUNCTUATION = set(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, remove punctuation, remove the articles a/an/the, collapse whitespace (the official scripts)."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCTUATION)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, gold: str) -> int:
+    return int(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def f1(prediction: str, gold: str, version_2_with_negative: bool = True) -> float:
+    """Token-level F1 of the normalized answers. v2.0 (no-answer) rule: when either is empty, 1 if both are, else 0;
+    v1.1 gives 0 whenever they share no token."""
+    pred_tokens, gold_tokens = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if version_2_with_negative and (not pred_tokens or not gold_tokens):
+        return float(pred_tokens == gold_tokens)
+    common = sum((collections.Counter(pred_tokens) & collections.Counter(gold_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def squad_metrics(
+    predictions: dict[str, str],
+    references: dict[str, list[str]],
+    version_2_with_negative: bool = False,
+    null_odds: dict[str, float] | None = None,
+) -> dict:
+    """Exact match and F1 in percent, each the best over a question's gold answers, averaged over `references`
+    (id -> gold answer texts). A question missing from `predictions` counts as answered "".
+
+    SQuAD v1.1 (the official v1.1 script): {"exact_match", "f1"}.
+    SQuAD v2.0 (the official v2.0 script): gold answers that normalize to "" are dropped and a question without gold
+    answers is a no-answer question, whose only gold is ""; {"exact", "f1", "total", "HasAns_exact", "HasAns_f1",
+    "HasAns_total", "NoAns_exact", "NoAns_f1", "NoAns_total"} (a group only when it has questions), plus, given
+    `null_odds`, "best_exact"/"best_f1" and their "_thresh": the scores at the best threshold on null_odds.
+    """
+    exact_scores, f1_scores, has_answer = {}, {}, {}
+    for qid, golds in references.items():
+        prediction = predictions.get(qid, "")
+        if version_2_with_negative:
+            golds = [g for g in golds if normalize_answer(g)] or [""]
+        has_answer[qid] = golds != [""]
+        exact_scores[qid] = max(exact_match(prediction, g) for g in golds)
+        f1_scores[qid] = max(f1(prediction, g, version_2_with_negative) for g in golds)
+
+    def mean(scores, ids):
+        return 100.0 * sum(scores[i] for i in ids) / len(ids)
+
+    ids = list(references)
+    if not version_2_with_negative:
+        return {"exact_match": mean(exact_scores, ids), "f1": mean(f1_scores, ids)}
+    result = {"exact": mean(exact_scores, ids), "f1": mean(f1_scores, ids), "total": len(ids)}
+    groups = {"HasAns": [i for i in ids if has_answer[i]], "NoAns": [i for i in ids if not has_answer[i]]}
+    for group, members in groups.items():
+        if members:
+            result.update({
+                f"{group}_exact": mean(exact_scores, members),
+                f"{group}_f1": mean(f1_scores, members),
+                f"{group}_total": len(members),
+            })
+    if null_odds is not None:
+        for name, scores in (("exact", exact_scores), ("f1", f1_scores)):
+            best, threshold = _best_threshold(predictions, scores, null_odds, has_answer)
+            result[f"best_{name}"], result[f"best_{name}_thresh"] = best, threshold
+    return result
+
+
+def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, float]:
+    """The official v2.0 `find_best_thresh`: the score when every question whose null odds exceed a threshold is
+    answered "" and every other keeps its prediction, at the best such threshold."""
+    score = best = sum(1 for qid in scores if not has_answer[qid])
+    threshold = 0.0
+    for qid in sorted((q for q in scores if q in null_odds), key=null_odds.__getitem__):
+        if has_answer[qid]:
+            score += scores[qid]
+        else:
+            score += -1 if predictions.get(qid, "") else 0
+        if score > best:
+            best, threshold = score, null_odds[qid]
+    return 100.0 * best / len(scores), threshold

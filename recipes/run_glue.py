@@ -1,0 +1,218 @@
+"""Fine-tune bert-impl for sentence or sentence-pair classification (or regression): GLUE, or your own files.
+
+    python recipes/run_glue.py --model_name_or_path bert-base-uncased --task_name mrpc --do_train --do_eval \\
+        --max_seq_length 128 --per_device_train_batch_size 32 --learning_rate 2e-5 --num_train_epochs 3 \\
+        --output_dir outputs/mrpc
+
+Data:
+- `--task_name` (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli): the GLUE task from the Hub (nyu-mll/glue), scored
+  with GLUE's metric (CoLA Matthews correlation, STS-B Pearson/Spearman, MRPC/QQP accuracy and F1, the others
+  accuracy; MNLI on validation_matched and, suffixed `_mm`, validation_mismatched).
+- `--train_file`/`--validation_file`/`--test_file`: CSV, JSON(L), or TSV (GLUE's original tab-separated files, header
+  line, no quoting). The label is the `label` column (or GLUE's TSV names: gold_label, is_duplicate, score, Quality;
+  or `--label_column_name`), the texts `--text_column_names`, else the task's columns, `sentence1`/`sentence2`,
+  `sentence`, or the one or two other text columns. With `--task_name` too, the files are scored with that task's
+  metric. Float labels (or stsb) mean regression; other labels (strings or integers) are classes, sorted, and kept in
+  the model's `config.id2label`/`label2id`. Without a task the metric is accuracy (regression: Pearson/Spearman).
+
+Writes into --output_dir the model and tokenizer, `all_results.json` (train_*, eval_* metrics), with --do_predict
+`predict_results_<task>.txt` (label names), and a model card.
+"""
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from transformers import DataCollatorWithPadding, Trainer, default_data_collator, set_seed
+
+import common
+from metrics import accuracy, glue_metrics, pearson_and_spearman
+from modeling_bert_impl import BertImplForSequenceClassification
+
+logger = logging.getLogger(__name__)
+
+TASK_TO_KEYS = {
+    "cola": ("sentence", None),
+    "sst2": ("sentence", None),
+    "mrpc": ("sentence1", "sentence2"),
+    "stsb": ("sentence1", "sentence2"),
+    "qqp": ("question1", "question2"),
+    "mnli": ("premise", "hypothesis"),
+    "qnli": ("question", "sentence"),
+    "rte": ("sentence1", "sentence2"),
+    "wnli": ("sentence1", "sentence2"),
+}
+# The label column of GLUE's original TSV files where it is not "label": MNLI, QQP, STS-B, MRPC.
+TSV_LABEL_COLUMNS = ("gold_label", "is_duplicate", "score", "Quality")
+
+
+@dataclass
+class DataArguments(common.DataArguments):
+    task_name: str | None = field(
+        default=None, metadata={"help": "A GLUE task: " + ", ".join(TASK_TO_KEYS)}
+    )
+    text_column_names: str | None = field(
+        default=None, metadata={"help": "The one or two text columns of the files, comma-separated."}
+    )
+    label_column_name: str | None = field(default=None, metadata={"help": "The label column of the files."})
+
+    def __post_init__(self):
+        if self.task_name is not None:
+            self.task_name = self.task_name.lower()
+            if self.task_name not in TASK_TO_KEYS:
+                raise ValueError(f"unknown task {self.task_name!r}; choose one of {', '.join(TASK_TO_KEYS)}")
+            if not (self.train_file or self.validation_file or self.test_file):
+                self.dataset_name, self.dataset_config_name = "nyu-mll/glue", self.task_name
+        super().__post_init__()
+
+
+def find_label_column(columns, data_args) -> str | None:
+    if data_args.label_column_name:
+        return data_args.label_column_name
+    return next((c for c in ("label", *TSV_LABEL_COLUMNS) if c in columns), None)
+
+
+def find_text_columns(dataset, label_column, data_args) -> list[str]:
+    """The one or two text columns: as given, the task's, sentence1/sentence2, sentence, or the other text columns."""
+    columns = dataset.column_names
+    if data_args.text_column_names:
+        return [c.strip() for c in data_args.text_column_names.split(",")]
+    candidates = [TASK_TO_KEYS[data_args.task_name]] if data_args.task_name else []
+    candidates += [("sentence1", "sentence2"), ("sentence", None)]
+    for keys in candidates:
+        keys = [k for k in keys if k]
+        if all(k in columns for k in keys):
+            return keys
+    texts = [c for c in columns
+             if c != label_column and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")]
+    if len(texts) in (1, 2):
+        return texts
+    raise ValueError(f"cannot tell the text columns among {columns}; pass --text_column_names")
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    """Run the recipe with `argv` (default: the command line) and return its Trainer."""
+    model_args, data_args, training_args = common.parse_args(DataArguments, argv)
+    common.setup_logging(training_args)
+    set_seed(training_args.seed)
+
+    raw = common.load_data(data_args, model_args.cache_dir)
+    task = data_args.task_name
+    if data_args.dataset_name is not None:  # GLUE from the Hub: MNLI has two validation and two test splits
+        eval_splits = ["validation_matched", "validation_mismatched"] if task == "mnli" else ["validation"]
+        test_splits = ["test_matched", "test_mismatched"] if task == "mnli" else ["test"]
+    else:
+        eval_splits, test_splits = ["validation"], ["test"]
+    for flag, splits in (("do_eval", eval_splits), ("do_predict", test_splits)):
+        if getattr(training_args, flag) and not all(s in raw for s in splits):
+            raise ValueError(f"--{flag} needs the split(s) {splits}: give the matching --*_file")
+    if training_args.do_train and "train" not in raw:
+        raise ValueError("--do_train needs --train_file (or --task_name)")
+
+    reference = raw["train"] if "train" in raw else raw[next(iter(raw))]
+    label_column = find_label_column(reference.column_names, data_args)
+    text_columns = find_text_columns(reference, label_column, data_args)
+    logger.info(f"text columns {text_columns}, label column {label_column!r}")
+    labelled = [raw[s] for s in ("train", "validation") if s in raw and label_column in raw[s].column_names]
+    if (training_args.do_train or training_args.do_eval) and not labelled:
+        raise ValueError(f"no label column among {reference.column_names}; pass --label_column_name")
+
+    tokenizer = common.load_tokenizer(model_args)
+    max_length = common.sequence_length(data_args, tokenizer)
+    label_to_id = None  # raw label -> class id, when the data's labels are not ids already
+    if labelled:  # the labels come from the data
+        feature = labelled[0].features[label_column]
+        is_regression = task == "stsb" or (task is None and feature.dtype.startswith("float"))
+        if is_regression:
+            config = {"num_labels": 1, "problem_type": "regression"}
+        else:
+            if hasattr(feature, "names"):  # a ClassLabel: ids already, with names
+                labels = list(feature.names)
+            else:
+                labels = sorted(set().union(*(d.unique(label_column) for d in labelled)))
+                label_to_id = {label: i for i, label in enumerate(labels)}
+            config = {
+                "num_labels": len(labels),
+                "id2label": {i: str(label) for i, label in enumerate(labels)},
+                "label2id": {str(label): i for i, label in enumerate(labels)},
+                "problem_type": "single_label_classification",
+            }
+    else:  # prediction only: the labels are the fine-tuned model's
+        config = {}
+    model = BertImplForSequenceClassification.from_pretrained(
+        model_args.model_name_or_path, cache_dir=model_args.cache_dir,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **config,
+    )
+    is_regression = model.config.problem_type == "regression" or model.config.num_labels == 1
+    labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
+
+    def tokenize(batch):
+        texts = [[t if t is not None else "" for t in batch[c]] for c in text_columns]
+        encoded = tokenizer(*texts, padding="max_length" if data_args.pad_to_max_length else False,
+                            max_length=max_length, truncation=True)
+        if label_column in batch:
+            values = batch[label_column]
+            encoded["labels"] = (
+                [float(v) for v in values] if is_regression
+                else [label_to_id[v] for v in values] if label_to_id
+                else values
+            )
+        return encoded
+
+    def prepare(split, n, with_labels=True):
+        dataset = common.take(raw[split], n)
+        if not with_labels and label_column in dataset.column_names:
+            dataset = dataset.remove_columns(label_column)
+        return common.preprocess(dataset, tokenize, training_args, data_args, f"Tokenizing {split}",
+                                 remove_columns=dataset.column_names)
+
+    def compute_metrics(p):
+        logits = p.predictions[0] if isinstance(p.predictions, tuple) else p.predictions
+        predictions = np.squeeze(logits, -1) if is_regression else np.argmax(logits, axis=-1)
+        if task is not None:
+            return glue_metrics(task, predictions, p.label_ids)
+        return (pearson_and_spearman if is_regression else accuracy)(predictions, p.label_ids)
+
+    train_dataset = prepare("train", data_args.max_train_samples) if training_args.do_train else None
+    eval_datasets = {s: prepare(s, data_args.max_eval_samples) for s in eval_splits} if training_args.do_eval else {}
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=next(iter(eval_datasets.values()), None),
+        processing_class=tokenizer,
+        data_collator=default_data_collator if data_args.pad_to_max_length else DataCollatorWithPadding(tokenizer),
+        compute_metrics=compute_metrics,
+    )
+
+    metrics = {}
+    if training_args.do_train:
+        metrics.update(common.train_and_save(trainer, training_args, len(train_dataset)))
+    if training_args.do_eval:
+        eval_metrics = {}
+        for split, dataset in eval_datasets.items():
+            result = {**trainer.evaluate(eval_dataset=dataset), "eval_samples": len(dataset)}
+            suffix = "_mm" if split == "validation_mismatched" else ""
+            eval_metrics.update({k + suffix: v for k, v in result.items()})
+        common.record(trainer, "eval", eval_metrics)
+        metrics.update(eval_metrics)
+    if training_args.do_predict:
+        for split in test_splits:
+            dataset = prepare(split, data_args.max_predict_samples, with_labels=False)
+            logits = trainer.predict(dataset, metric_key_prefix="predict").predictions
+            predictions = np.squeeze(logits, -1) if is_regression else np.argmax(logits, axis=-1)
+            if trainer.is_world_process_zero():
+                name = f"predict_results_{task or 'test'}{'_mm' if split == 'test_mismatched' else ''}.txt"
+                with open(os.path.join(training_args.output_dir, name), "w") as f:
+                    f.write("index\tprediction\n")
+                    for i, p in enumerate(predictions):
+                        f.write(f"{i}\t{p:.3f}\n" if is_regression else f"{i}\t{labels[p]}\n")
+    if training_args.do_train:
+        common.finish(trainer, model_args, metrics, __file__, argv,
+                      dataset=data_args.dataset_name, dataset_config=data_args.dataset_config_name)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()

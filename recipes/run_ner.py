@@ -1,0 +1,195 @@
+"""Fine-tune bert-impl for token classification (named entities): CoNLL-2003, or your own files.
+
+    python recipes/run_ner.py --model_name_or_path bert-base-cased --dataset_name conll2003 --do_train --do_eval \\
+        --max_seq_length 128 --per_device_train_batch_size 32 --learning_rate 5e-5 --num_train_epochs 3 \\
+        --output_dir outputs/conll2003
+
+Data:
+- `--dataset_name conll2003` (or any Hub data set with `tokens` and `ner_tags` columns).
+- `.txt` / `.conll` files in the CoNLL column format: one token per line, its tag in the last column
+  (`token POS chunk TAG` for CoNLL-2003), a blank line between sentences, `-DOCSTART-` lines skipped.
+- JSON(L) or CSV files with a list of words (`tokens`) and a list of tag strings (`ner_tags`) per sentence; other
+  column names with `--text_column_name`, `--label_column_name`.
+
+Each word's tag goes on its first sub-token; the other sub-tokens are ignored by the loss, or, with
+`--label_all_tokens`, trained on the word's tag too (B-X becoming I-X on continuations). Evaluation is always per
+word (first sub-token): entity-level precision, recall and F1 as seqeval computes them, and word accuracy. Words
+cut off by --max_seq_length are not scored.
+
+Writes into --output_dir the model and tokenizer, `all_results.json`, with --do_predict `predictions.txt` (one line of
+predicted tags per sentence), and a model card.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import datasets
+import numpy as np
+from transformers import DataCollatorForTokenClassification, Trainer, default_data_collator, set_seed
+
+import common
+from metrics import seqeval_metrics
+from modeling_bert_impl import BertImplForTokenClassification
+
+
+@dataclass
+class DataArguments(common.DataArguments):
+    text_column_name: str = field(default="tokens", metadata={"help": "The column with each sentence's words."})
+    label_column_name: str = field(default="ner_tags", metadata={"help": "The column with each sentence's tags."})
+    label_all_tokens: bool = field(
+        default=False,
+        metadata={"help": "Train every sub-token on its word's tag (B- becomes I- on continuations), not only the "
+                          "first; evaluation stays per word."},
+    )
+
+
+def read_conll(path: str) -> datasets.Dataset:
+    """A CoNLL column file as a Dataset with columns id, tokens, ner_tags (tag strings)."""
+    sentences, tokens, tags = [], [], []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts or parts[0] == "-DOCSTART-":
+                if tokens:
+                    sentences.append((tokens, tags))
+                    tokens, tags = [], []
+                continue
+            if len(parts) < 2:
+                raise ValueError(f"{path}:{number}: expected a token and its tag, got {line.strip()!r}")
+            tokens.append(parts[0])
+            tags.append(parts[-1])
+    if tokens:
+        sentences.append((tokens, tags))
+    return datasets.Dataset.from_dict({
+        "id": [str(i) for i in range(len(sentences))],
+        "tokens": [s[0] for s in sentences],
+        "ner_tags": [s[1] for s in sentences],
+    })
+
+
+def read_file(path: str) -> datasets.Dataset:
+    if path.rsplit(".", 1)[-1].lower() in ("txt", "conll"):
+        return read_conll(path)
+    return common.read_table(path)
+
+
+def main(argv: list[str] | None = None) -> Trainer:
+    """Run the recipe with `argv` (default: the command line) and return its Trainer."""
+    model_args, data_args, training_args = common.parse_args(DataArguments, argv)
+    common.setup_logging(training_args)
+    set_seed(training_args.seed)
+
+    raw = common.load_data(data_args, model_args.cache_dir, read_file)
+    for flag, split in (("do_train", "train"), ("do_eval", "validation"), ("do_predict", "test")):
+        if getattr(training_args, flag) and split not in raw:
+            raise ValueError(f"--{flag} needs the {split} split: give --{split}_file")
+    words, tags = data_args.text_column_name, data_args.label_column_name
+
+    # Tag names in id order: the data set's ClassLabel names, else the sorted tags of the train and validation data
+    # (else, to predict only, the fine-tuned model's).
+    tagged = [raw[s] for s in ("train", "validation", "test") if s in raw and tags in raw[s].column_names]
+    by_id = bool(tagged) and hasattr(getattr(tagged[0].features[tags], "feature", None), "names")
+    labelled = [raw[s] for s in ("train", "validation") if s in raw and tags in raw[s].column_names]
+    if by_id:
+        label_list = list(tagged[0].features[tags].feature.names)
+    elif labelled:
+        label_list = [str(t) for t in sorted({t for d in labelled for sentence in d[tags] for t in sentence})]
+    else:
+        label_list = None
+    config = {} if label_list is None else {
+        "num_labels": len(label_list),
+        "id2label": dict(enumerate(label_list)),
+        "label2id": {label: i for i, label in enumerate(label_list)},
+    }
+
+    tokenizer = common.load_tokenizer(model_args)
+    max_length = common.sequence_length(data_args, tokenizer)
+    model = BertImplForTokenClassification.from_pretrained(
+        model_args.model_name_or_path, cache_dir=model_args.cache_dir,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **config,
+    )
+    label_list = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    tag_to_id = None if by_id else {label: i for i, label in enumerate(label_list)}  # tag string -> id
+    # B-X -> I-X (when the model has I-X), for the continuation sub-tokens of --label_all_tokens.
+    b_to_i = [label_list.index("I-" + l[2:]) if l.startswith("B-") and "I-" + l[2:] in label_list else i
+              for i, l in enumerate(label_list)]
+
+    def tokenize_and_align(batch, label_all_tokens):
+        encoded = tokenizer(batch[words], is_split_into_words=True, truncation=True, max_length=max_length,
+                            padding="max_length" if data_args.pad_to_max_length else False)
+        if tags not in batch:
+            return encoded
+        encoded["labels"] = []
+        for i, sentence_tags in enumerate(batch[tags]):
+            ids = sentence_tags if by_id else [tag_to_id[str(t)] for t in sentence_tags]
+            row, previous = [], None
+            for word in encoded.word_ids(i):
+                if word is None:
+                    row.append(-100)
+                elif word != previous:
+                    row.append(ids[word])
+                else:
+                    row.append(b_to_i[ids[word]] if label_all_tokens else -100)
+                previous = word
+            encoded["labels"].append(row)
+        return encoded
+
+    def prepare(split, n, label_all_tokens=False):
+        dataset = common.take(raw[split], n)
+        return common.preprocess(dataset, tokenize_and_align, training_args, data_args, f"Tokenizing {split}",
+                                 fn_kwargs={"label_all_tokens": label_all_tokens}, remove_columns=dataset.column_names)
+
+    def word_level(logits, label_ids):
+        """Predicted and gold tag names of the scored sub-tokens (each word's first), per sentence."""
+        predictions = np.argmax(logits, axis=-1)
+        pairs = [[(label_list[p], label_list[g]) for p, g in zip(row_p, row_g) if g != -100]
+                 for row_p, row_g in zip(predictions, label_ids)]
+        return [[p for p, _ in row] for row in pairs], [[g for _, g in row] for row in pairs]
+
+    def compute_metrics(p):
+        return seqeval_metrics(*word_level(p.predictions, p.label_ids))
+
+    train_dataset = None
+    if training_args.do_train:
+        train_dataset = prepare("train", data_args.max_train_samples, label_all_tokens=data_args.label_all_tokens)
+    eval_dataset = prepare("validation", data_args.max_eval_samples) if training_args.do_eval else None
+    collator = default_data_collator if data_args.pad_to_max_length else DataCollatorForTokenClassification(tokenizer)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=collator,
+        compute_metrics=compute_metrics,
+    )
+
+    metrics = {}
+    if training_args.do_train:
+        metrics.update(common.train_and_save(trainer, training_args, len(train_dataset)))
+    if training_args.do_eval:
+        eval_metrics = {**trainer.evaluate(), "eval_samples": len(eval_dataset)}
+        common.record(trainer, "eval", eval_metrics)
+        metrics.update(eval_metrics)
+    if training_args.do_predict:
+        test = common.take(raw["test"], data_args.max_predict_samples)
+        has_tags = tags in test.column_names
+        if not has_tags:  # placeholder tags mark each word's first sub-token; they are not scored
+            test = test.add_column(tags, [[0 if by_id else label_list[0]] * len(w) for w in test[words]])
+        dataset = common.preprocess(test, tokenize_and_align, training_args, data_args, "Tokenizing test",
+                                    fn_kwargs={"label_all_tokens": False}, remove_columns=test.column_names)
+        output = trainer.predict(dataset, metric_key_prefix="predict")
+        if has_tags:
+            common.record(trainer, "predict", output.metrics)
+        if trainer.is_world_process_zero():
+            predicted, _ = word_level(output.predictions, output.label_ids)
+            with open(os.path.join(training_args.output_dir, "predictions.txt"), "w") as f:
+                f.writelines(" ".join(row) + "\n" for row in predicted)
+    if training_args.do_train:
+        common.finish(trainer, model_args, metrics, __file__, argv,
+                      dataset=data_args.dataset_name, dataset_config=data_args.dataset_config_name)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""End-to-end runs of the fine-tuning recipes: the real MiniLM checkpoint fine-tuned on small, easy data sets written
+here in each recipe's real file format (GLUE TSV, CoNLL columns, SQuAD nested JSON, SWAG CSV), on CPU, offline.
+
+Each run must score clearly above chance, write all_results.json, and save a folder that the Auto class loads back as
+our class with the trained model's logits. The recipes run in this process through `main(argv)`, as
+`python recipes/run_x.py argv` would run them (one torchrun test runs a script as a command)."""
+
+import csv
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import modeling_bert_impl  # noqa: F401  (registers bert_impl with the Auto classes)
+from modeling_bert_impl import (
+    BertImplForMultipleChoice,
+    BertImplForQuestionAnswering,
+    BertImplForSequenceClassification,
+    BertImplForTokenClassification,
+)
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+sys.path.insert(0, str(RECIPES))
+
+import run_glue  # noqa: E402
+import run_ner  # noqa: E402
+import run_qa  # noqa: E402
+import run_swag  # noqa: E402
+
+# Every run: CPU, no reporting, no checkpoints, no progress bars.
+COMMON = ["--use_cpu", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--seed", "0",
+          "--per_device_eval_batch_size", "32"]
+
+
+def run(recipe, minilm_dir, out, *args, train=True):
+    flags = ["--do_train", "--do_eval"] if train else ["--do_eval"]
+    return recipe.main(["--model_name_or_path", minilm_dir, "--output_dir", str(out), *flags, *COMMON, *map(str, args)])
+
+
+def results(out) -> dict:
+    return json.loads((Path(out) / "all_results.json").read_text())
+
+
+def assert_reloads(trainer, out, auto_class, our_class, batch):
+    """The saved folder loads through the Auto class as our class, with the trained model's logits (and the
+    tokenizer saved next to it)."""
+    reloaded = getattr(transformers, auto_class).from_pretrained(out).eval()
+    assert type(reloaded) is our_class
+    assert (Path(out) / "tokenizer_config.json").is_file() and (Path(out) / "vocab.txt").is_file()
+    trained = trainer.model.eval()
+    with torch.no_grad():
+        expected, got = trained(**batch), reloaded(**batch)
+    for name in ("logits", "start_logits", "end_logits"):
+        if name in expected:
+            assert torch.equal(expected[name], got[name]), name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# File readers
+# ---------------------------------------------------------------------------------------------------------------------
+def test_read_conll_skips_docstart_and_splits_on_blank_lines(tmp_path):
+    path = tmp_path / "data.conll"
+    path.write_text("-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n\n\n"
+                    "-DOCSTART- -X- -X- O\n\nPeter NNP B-NP B-PER\nBlackburn NNP I-NP I-PER\n")
+    dataset = run_ner.read_conll(str(path))
+    assert dataset["tokens"] == [["EU", "rejects"], ["Peter", "Blackburn"]]
+    assert dataset["ner_tags"] == [["B-ORG", "O"], ["B-PER", "I-PER"]]
+
+
+def test_read_squad_nested_and_flat_files_agree(tmp_path):
+    squad = {"version": "v2.0", "data": [squad_article(random.Random(0), 0)]}
+    squad["data"][0]["paragraphs"][0]["qas"].append(
+        {"id": "x", "question": "Who is the king?", "answers": [], "is_impossible": True})
+    (tmp_path / "nested.json").write_text(json.dumps(squad))
+    nested = run_qa.read_squad(str(tmp_path / "nested.json"))
+    (tmp_path / "flat.jsonl").write_text("\n".join(json.dumps(r) for r in nested.to_list()))
+    (tmp_path / "flat.json").write_text(json.dumps({"data": nested.to_list()}))
+    for name in ("flat.jsonl", "flat.json"):
+        assert run_qa.read_squad(str(tmp_path / name)).to_list() == nested.to_list()
+    assert nested[1]["answers"] == {"text": [], "answer_start": []}
+    context, answer = nested[0]["context"], nested[0]["answers"]
+    assert context[answer["answer_start"][0]:].startswith(answer["text"][0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GLUE: SST-2's TSV layout
+# ---------------------------------------------------------------------------------------------------------------------
+POSITIVE = ["great", "wonderful", "excellent", "delightful", "fantastic", "lovely", "superb", "brilliant", "charming"]
+NEGATIVE = ["awful", "terrible", "horrible", "dreadful", "boring", "disappointing", "bad", "poor", "miserable"]
+THINGS = ["movie", "food", "service", "hotel", "book", "concert", "show", "trip", "game", "meal", "song", "class"]
+FRAMES = ["the {} was {} .", "what a {1} {0} !", "i thought the {} was really {} ."]
+
+
+def sentiment_rows(rng, n):
+    rows = [(frame.format(thing, word), label) for frame in FRAMES for thing in THINGS
+            for words, label in ((POSITIVE, 1), (NEGATIVE, 0)) for word in words]
+    return rng.sample(rows, n)
+
+
+def write_tsv(path, header, rows):
+    with open(path, "w") as f:
+        f.write("\t".join(header) + "\n")
+        f.writelines("\t".join(map(str, row)) + "\n" for row in rows)
+
+
+@pytest.mark.slow
+def test_run_glue_sst2_tsv(minilm_dir, tmp_path):
+    rows = sentiment_rows(random.Random(0), 112)
+    write_tsv(tmp_path / "train.tsv", ["sentence", "label"], rows[:64])
+    write_tsv(tmp_path / "dev.tsv", ["sentence", "label"], rows[64:])
+    out = tmp_path / "out"
+    trainer = run(run_glue, minilm_dir, out, "--task_name", "sst2", "--train_file", tmp_path / "train.tsv",
+                  "--validation_file", tmp_path / "dev.tsv", "--max_seq_length", 32, "--learning_rate", 3e-4,
+                  "--per_device_train_batch_size", 16, "--num_train_epochs", 2)
+    metrics = results(out)
+    assert metrics["eval_accuracy"] > 0.9, metrics
+    assert metrics["eval_samples"] == 48 and metrics["train_samples"] == 64
+    batch = trainer.processing_class(["a truly awful meal .", "the show was lovely ."], padding=True,
+                                     return_tensors="pt")
+    assert_reloads(trainer, out, "AutoModelForSequenceClassification", BertImplForSequenceClassification, batch)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "bert_impl" and config["id2label"] == {"0": "0", "1": "1"}
+    assert (out / "README.md").is_file()  # the model card
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pairs_csv_string_labels", "regression_json"])
+def test_run_glue_file_layouts_evaluate(minilm_dir, tmp_path, layout):
+    """No training: the data path alone (pairs, string labels mapped to ids, regression), on the untrained head."""
+    rng = random.Random(1)
+    sentences = [s for s, _ in sentiment_rows(rng, 40)]
+    if layout == "pairs_csv_string_labels":
+        path, task = tmp_path / "dev.csv", ["--task_name", "mrpc"]
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sentence1", "sentence2", "label"])
+            writer.writerows((a, b, "yes" if i % 2 else "no") for i, (a, b) in enumerate(zip(sentences, sentences[1:])))
+        expected_keys, expected_labels = {"eval_accuracy", "eval_f1"}, {"0": "no", "1": "yes"}
+    else:
+        path, task = tmp_path / "dev.json", []
+        path.write_text("\n".join(json.dumps({"text": s, "label": rng.uniform(0, 5)}) for s in sentences))
+        expected_keys, expected_labels = {"eval_pearson", "eval_spearmanr"}, None
+    out = tmp_path / "out"
+    trainer = run(run_glue, minilm_dir, out, *task, "--validation_file", path, "--max_seq_length", 32, train=False)
+    assert expected_keys <= results(out).keys()
+    config = trainer.model.config
+    if expected_labels:
+        assert {str(k): v for k, v in config.id2label.items()} == expected_labels
+    else:
+        assert config.num_labels == 1 and config.problem_type == "regression"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# NER: CoNLL-2003 columns
+# ---------------------------------------------------------------------------------------------------------------------
+PEOPLE = ["John", "Mary", "Peter", "Anna", "David", "Laura", "Michael", "Sarah", "James", "Emma", "Robert", "Linda"]
+SURNAMES = ["Smith", "Brown", "Miller", "Wilson", "Taylor", "Clark"]
+CITIES = ["Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "Vienna", "Dublin", "Oslo", "Lisbon", "Cairo"]
+ORGS = [["Google"], ["Microsoft"], ["United", "Nations"], ["Siemens"], ["Reuters"], ["Toyota"], ["Red", "Cross"]]
+NER_FRAMES = ["P lives in L .", "P works for O in L .", "O opened an office in L .", "Yesterday P visited L .",
+              "P met P at O .", "The weather in L was cold .", "P and P flew to L on Monday ."]
+
+
+def ner_sentence(rng):
+    """[(word, tag)] from a frame: P a person (sometimes with a surname), L a city, O an organisation."""
+    out = []
+    for slot in rng.choice(NER_FRAMES).split():
+        if slot == "P":
+            out.append((rng.choice(PEOPLE), "B-PER"))
+            if rng.random() < 0.4:
+                out.append((rng.choice(SURNAMES), "I-PER"))
+        elif slot == "L":
+            out.append((rng.choice(CITIES), "B-LOC"))
+        elif slot == "O":
+            article, *name = ["the"] + rng.choice(ORGS) if rng.random() < 0.3 else [None] + rng.choice(ORGS)
+            out += [(article, "O")] if article else []
+            out += [(w, "B-ORG" if i == 0 else "I-ORG") for i, w in enumerate(name)]
+        else:
+            out.append((slot, "O"))
+    return out
+
+
+def write_conll(path, sentences):
+    with open(path, "w") as f:
+        f.write("-DOCSTART- -X- -X- O\n\n")
+        for sentence in sentences:
+            f.writelines(f"{word} NNP B-NP {tag}\n" for word, tag in sentence)
+            f.write("\n")
+
+
+@pytest.mark.slow
+def test_run_ner_conll(minilm_dir, tmp_path):
+    rng = random.Random(0)
+    write_conll(tmp_path / "train.txt", [ner_sentence(rng) for _ in range(64)])
+    write_conll(tmp_path / "dev.conll", [ner_sentence(rng) for _ in range(40)])
+    out = tmp_path / "out"
+    trainer = run(run_ner, minilm_dir, out, "--train_file", tmp_path / "train.txt", "--validation_file",
+                  tmp_path / "dev.conll", "--max_seq_length", 32, "--learning_rate", 5e-4,
+                  "--per_device_train_batch_size", 16, "--num_train_epochs", 2, "--label_all_tokens")
+    metrics = results(out)
+    assert metrics["eval_f1"] > 0.9 and metrics["eval_accuracy"] > 0.9, metrics
+    assert set(trainer.model.config.label2id) == {"B-LOC", "B-ORG", "B-PER", "I-ORG", "I-PER", "O"}
+    batch = trainer.processing_class(["Anna", "lives", "in", "Oslo", "."], is_split_into_words=True,
+                                     return_tensors="pt")
+    assert_reloads(trainer, out, "AutoModelForTokenClassification", BertImplForTokenClassification, dict(batch))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# QA: SQuAD's nested JSON, contexts longer than one window
+# ---------------------------------------------------------------------------------------------------------------------
+JOBS = ["teacher", "doctor", "pilot", "baker", "lawyer", "farmer", "nurse", "painter", "chef", "writer"]
+FILLER = ["The weather was mild for most of the year.", "Many people enjoy long walks on the weekend.",
+          "The old bridge was repaired after the storm.", "Most shops close early on Sundays.",
+          "The library has a large collection of old maps.", "Trains run every twenty minutes in the morning.",
+          "Local markets sell fresh fruit and vegetables.", "The museum was very busy during the holidays."]
+
+
+def squad_article(rng, index):
+    """One paragraph about one person (where they live, their job) among filler sentences, long enough to need two
+    windows; one question: where does the person live."""
+    person, city, job = rng.choice(PEOPLE), rng.choice(CITIES), rng.choice(JOBS)
+    fact = f"{person} lives in {city}."
+    sentences = rng.sample(FILLER, 7) + [fact, f"{person} works as a {job}."]
+    rng.shuffle(sentences)
+    context = " ".join(sentences)
+    answer = {"text": city, "answer_start": context.index(fact) + len(f"{person} lives in ")}
+    qa = {"id": str(index), "question": f"Where does {person} live?", "answers": [answer], "is_impossible": False}
+    return {"title": f"article {index}", "paragraphs": [{"context": context, "qas": [qa]}]}
+
+
+@pytest.mark.slow
+def test_run_qa_squad_json(minilm_dir, tmp_path):
+    rng = random.Random(0)
+    for name, start, count in (("train", 0, 32), ("dev", 100, 16)):
+        squad = {"version": "1.1", "data": [squad_article(rng, start + i) for i in range(count)]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(squad))
+    out = tmp_path / "out"
+    trainer = run(run_qa, minilm_dir, out, "--train_file", tmp_path / "train.json", "--validation_file",
+                  tmp_path / "dev.json", "--max_seq_length", 64, "--doc_stride", 24, "--learning_rate", 4e-4,
+                  "--per_device_train_batch_size", 16, "--num_train_epochs", 2)
+    metrics = results(out)
+    assert metrics["eval_exact_match"] > 80 and metrics["eval_f1"] > 80, metrics  # percent, as SQuAD reports them
+    predictions = json.loads((out / "predictions.json").read_text())
+    assert len(predictions) == 16
+    # The contexts need two windows of 64 tokens: the long-context path was exercised.
+    assert trainer.train_dataset.num_rows > 32
+    question, context = "Where does Emma live?", "Emma lives in Rome. " + " ".join(FILLER[:2])
+    batch = trainer.processing_class(question, context, return_tensors="pt")
+    assert_reloads(trainer, out, "AutoModelForQuestionAnswering", BertImplForQuestionAnswering, batch)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SWAG: its CSV columns
+# ---------------------------------------------------------------------------------------------------------------------
+STATES = {
+    "hungry": "ate a big sandwich.", "tired": "went straight to bed.", "cold": "put on a warm coat.",
+    "thirsty": "drank a glass of water.", "dirty": "took a long shower.", "lost": "looked at a map.",
+    "late": "ran to catch the bus.", "sick": "called a doctor.",
+}
+ABSURD = ["ate the moon with a spoon.", "married a teapot.", "swam across the ceiling.", "painted the wind blue.",
+          "folded the river in half.", "sang to a brick until it cried.", "planted a chair in the sky.",
+          "mailed the sunset to a fish."]
+
+
+def swag_rows(rng, n):
+    """A person in a state; the right ending suits the state, the wrong ones suit another state or none."""
+    rows = []
+    for _ in range(n):
+        person, state = rng.choice(PEOPLE), rng.choice(list(STATES))
+        endings = [STATES[rng.choice([s for s in STATES if s != state])]] + rng.sample(ABSURD, 2)
+        label = rng.randrange(4)
+        endings.insert(label, STATES[state])
+        rows.append({"sent1": f"{person} felt very {state}.", "sent2": "So she" if person in PEOPLE[1::2] else "So he",
+                     **{f"ending{i}": e for i, e in enumerate(endings)}, "label": label})
+    return rows
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+@pytest.mark.slow
+def test_run_swag_csv(minilm_dir, tmp_path):
+    rng = random.Random(0)
+    write_csv(tmp_path / "train.csv", swag_rows(rng, 48))
+    write_csv(tmp_path / "dev.csv", swag_rows(rng, 40))
+    out = tmp_path / "out"
+    trainer = run(run_swag, minilm_dir, out, "--train_file", tmp_path / "train.csv", "--validation_file",
+                  tmp_path / "dev.csv", "--max_seq_length", 32, "--learning_rate", 3e-4,
+                  "--per_device_train_batch_size", 8, "--num_train_epochs", 2)
+    metrics = results(out)
+    assert metrics["eval_accuracy"] > 0.6, metrics  # chance is 0.25
+    endings = ["went straight to bed.", "ate a big sandwich.", "called a doctor.", "looked at a map."]
+    encoded = trainer.processing_class(["Anna felt very hungry."] * 4, [f"So she {e}" for e in endings],
+                                       padding=True, return_tensors="pt")
+    batch = {k: v.unsqueeze(0) for k, v in encoded.items()}  # (1 example, 4 choices, T)
+    assert_reloads(trainer, out, "AutoModelForMultipleChoice", BertImplForMultipleChoice, batch)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Distributed: the script as a command under torchrun, two processes
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun")
+def test_run_glue_under_torchrun(minilm_dir, tmp_path):
+    rows = sentiment_rows(random.Random(2), 64)
+    write_tsv(tmp_path / "train.tsv", ["sentence", "label"], rows[:48])
+    write_tsv(tmp_path / "dev.tsv", ["sentence", "label"], rows[48:])
+    out = tmp_path / "out"
+    command = ["torchrun", "--standalone", "--nproc_per_node", "2", str(RECIPES / "run_glue.py"), "--model_name_or_path", minilm_dir, "--output_dir", str(out),
+               "--train_file", str(tmp_path / "train.tsv"), "--validation_file", str(tmp_path / "dev.tsv"),
+               "--do_train", "--do_eval", "--max_seq_length", "32", "--per_device_train_batch_size", "8",
+               "--max_steps", "2", *COMMON]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = results(out)
+    assert metrics["eval_samples"] == 16 and 0 <= metrics["eval_accuracy"] <= 1
+    reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(out)
+    assert type(reloaded) is BertImplForSequenceClassification
