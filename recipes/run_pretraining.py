@@ -359,31 +359,6 @@ class PreTrainingTrainer(Trainer):
                 logs.update(PreTrainingTally.summarize(self.accelerator.reduce(sums, reduction="sum")))
         super().log(logs, start_time)
 
-    # Trainer reloads a checkpoint's weights (resuming, --load_best_model_at_end) with `load_state_dict(strict=False)`
-    # on the file's key names, but our folders hold stock BERT key names (the model converts them when saving and back
-    # in `from_pretrained`): nothing would load, silently. Load such folders through `from_pretrained`; FSDP and
-    # DeepSpeed checkpoints (the engines' own state dicts) keep the Trainer's path.
-    def _load_weights(self, folder: str, model) -> bool:
-        """Copy the weights saved in `folder` into `model`; False where the Trainer's own loader must be used."""
-        saved = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled or not any(
-            os.path.isfile(os.path.join(folder, name)) for name in saved
-        ):
-            return False
-        model = self.accelerator.unwrap_model(model)
-        source = type(model).from_pretrained(folder, dtype=next(model.parameters()).dtype)
-        model.load_state_dict(source.state_dict())
-        logger.info(f"loaded the weights of {folder} through from_pretrained")
-        return True
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if not self._load_weights(resume_from_checkpoint, model if model is not None else self.model):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _load_best_model(self):
-        if not self._load_weights(self.state.best_model_checkpoint, self.model_wrapped):
-            super()._load_best_model()
-
     def get_eval_dataloader(self, eval_dataset=None):
         train_collator, self.data_collator = self.data_collator, self.eval_collator
         try:

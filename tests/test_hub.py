@@ -200,7 +200,7 @@ def pushed(tmp_path_factory, tokenizer):
 
 
 def test_model_and_tokenizer_pushes_upload_what_a_stranger_needs(pushed):
-    """Per repo: the model commit holds weights (stock key names), config with every head in auto_map, the code files
+    """Per repo: the model commit holds weights (our key names), config with every head in auto_map, the code files
     as in the package, and our card; the tokenizer commit its files with its auto_map and code file."""
     hub = pushed["hub"]
     auto_map = {"AutoConfig": "configuration_bert_impl.BertImplConfig",
@@ -217,7 +217,7 @@ def test_model_and_tokenizer_pushes_upload_what_a_stranger_needs(pushed):
         for name in CODE_FILES:
             assert files[name] == (PACKAGE_DIR / name).read_bytes(), name
         with safe_open(hub.snapshot(repo_id) / "model.safetensors", "pt") as weights:
-            assert "encoder.layer.0.attention.self.query.weight" in " ".join(weights.keys())  # stock names
+            assert "layers.0.attn.qkv.weight" in " ".join(weights.keys())  # our names: Trainer resumes from them
 
         tokenizer_config = json.loads(files["tokenizer_config.json"])
         assert tokenizer_config["auto_map"]["AutoTokenizer"][0] == "tokenization_bert_impl.BertImplTokenizer"
