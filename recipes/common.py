@@ -150,6 +150,13 @@ def train_and_save(trainer: Trainer, training_args: TrainingArguments, num_examp
     return metrics
 
 
+def evaluate_and_record(trainer: Trainer, num_examples: int) -> dict:
+    """Evaluate on the Trainer's eval set, record the metrics (with eval_samples) and return them."""
+    metrics = {**trainer.evaluate(), "eval_samples": num_examples}
+    record(trainer, "eval", metrics)
+    return metrics
+
+
 def record(trainer: Trainer, split: str, metrics: dict) -> None:
     """Log metrics and save them to {split}_results.json and, merged with the other splits', all_results.json."""
     trainer.log_metrics(split, metrics)

@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> Trainer:
     if training_args.do_train:
         metrics.update(common.train_and_save(trainer, training_args, len(train_dataset)))
     if training_args.do_eval:
-        eval_metrics = {**trainer.evaluate(), "eval_samples": len(eval_dataset)}
-        common.record(trainer, "eval", eval_metrics)
+        eval_metrics = common.evaluate_and_record(trainer, len(eval_dataset))
         metrics.update(eval_metrics)
     if training_args.do_predict:
         test = common.take(raw["test"], data_args.max_predict_samples)
