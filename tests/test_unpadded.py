@@ -1,0 +1,297 @@
+"""The padding-free encoder: padding helpers, attention kernels and layouts, packed batches, sparse MLM, compile,
+autocast. Small configs except the MiniLM parity and packing tests; no timing is asserted here (see
+benchmarks/bench_model.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import BertModel, DataCollatorWithFlattening
+
+import modeling_bert_impl.modeling_bert_impl as mbi
+from modeling_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
+from modeling_bert_impl.bert_padding import (
+    bucketed_rows,
+    cu_seqlens_from_position_ids,
+    cu_seqlens_from_seq_idx,
+    length_groups,
+    pad,
+    sequence_mask,
+    unpad,
+    unpad_indices,
+)
+
+TOL = 1e-5
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def real_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """max |a - b| over the real (mask != 0) positions of (B, T, ...) tensors."""
+    return (a - b)[mask.bool()].abs().max().item()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Padding helpers, on hand-made cases
+# ---------------------------------------------------------------------------------------------------------------------
+def test_unpad_indices_any_padding_layout():
+    mask = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 0, 0], [1, 0, 1, 1]])  # right, left, none, a hole
+    indices, cu_seqlens = unpad_indices(mask, nnz=7)
+    assert indices.tolist() == [0, 1, 6, 7, 12, 14, 15]
+    assert cu_seqlens.tolist() == [0, 2, 4, 4, 7] and cu_seqlens.dtype == torch.int32
+
+
+def test_unpad_pad_round_trip():
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    x = torch.arange(12.0).view(2, 3, 2)
+    indices, _ = unpad_indices(mask, nnz=4)
+    rows = unpad(x, indices)
+    assert rows.tolist() == [[0, 1], [2, 3], [8, 9], [10, 11]]
+    assert torch.equal(pad(rows, indices, 2, 3), x * mask[..., None])  # zeros at padding
+
+
+def test_cu_seqlens_from_packing_markers():
+    assert cu_seqlens_from_position_ids(torch.tensor([0, 1, 2, 0, 1, 0])).tolist() == [0, 3, 5, 6]
+    assert cu_seqlens_from_seq_idx(torch.tensor([0, 0, 1, 1, 1, 2])).tolist() == [0, 2, 5, 6]
+    assert sequence_mask(torch.tensor([0, 2, 2, 5]), 3).tolist() == [[1, 1, 0], [0, 0, 0], [1, 1, 1]]
+
+
+def test_length_groups():
+    lengths = [3, 5, 0, 3, 9, 8]
+    assert length_groups(lengths, group_cost=0) == [[0, 3], [1], [5], [4]]  # one group per distinct length
+    assert length_groups(lengths, group_cost=100) == [[0, 3, 1, 5, 4]]  # one group, sorted; the empty one left out
+    assert length_groups(lengths, group_cost=2) == [[0, 3], [1], [5, 4]]  # 8 -> 9 costs 1 padded row < 2
+    assert length_groups([0, 0], group_cost=1) == []
+
+
+def test_bucketed_rows():
+    cu_seqlens = torch.tensor([0, 3, 5, 5, 6])  # lengths 3, 2, 0, 1
+    rows, real, first, shapes = bucketed_rows(cu_seqlens, [[3], [1, 0]])
+    assert rows.tolist() == [5, 3, 4, 4, 0, 1, 2]  # seq 3 | seq 1, its last token repeated | seq 0
+    assert real.tolist() == [True, True, True, False, True, True, True]
+    assert first.tolist() == [4, 1, 0, 0]  # the empty sequence points anywhere (row 0)
+    assert shapes == [(1, 1), (2, 3)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention kernels and layouts: every one against softmax attention run on each sequence alone
+# ---------------------------------------------------------------------------------------------------------------------
+def attention_per_sequence(q, k, v, lengths, scaling):
+    out = [F.softmax(qi.transpose(0, 1) @ ki.permute(1, 2, 0) * scaling, -1) @ vi.transpose(0, 1)
+           for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+    return torch.cat([o.transpose(0, 1) for o in out])  # (nnz, N, D)
+
+
+LENGTHS = [5, 0, 9, 1, 7, 7]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # on CPU, jagged SDPA falls back to math
+@pytest.mark.parametrize("kernel", [mbi.repadded_attention, mbi.nested_attention], ids=lambda k: k.__name__)
+def test_varlen_kernels_exact(kernel):
+    torch.manual_seed(0)
+    cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).int()
+    qkv = torch.randn(sum(LENGTHS), 3, 2, 8, requires_grad=True)
+    q, k, v = qkv.unbind(1)
+    batch = mbi.VarlenBatch.build(cu_seqlens, max(LENGTHS), sum(LENGTHS), torch.float32)
+    expected = attention_per_sequence(q, k, v, LENGTHS, 0.3)
+    got = kernel(q, k, v, batch, 0.3, 0.0)
+    assert (got - expected).abs().max() < TOL
+    grad = torch.randn_like(got)
+    (g_expected,), (g_got,) = (torch.autograd.grad(y, qkv, grad) for y in (expected, got))
+    assert (g_got - g_expected).abs().max() < TOL
+
+
+@pytest.mark.parametrize("group_cost", [0, 3, 10**6])
+def test_bucketed_layout_exact(group_cost):
+    torch.manual_seed(0)
+    cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).int()
+    qkv = torch.randn(sum(LENGTHS), 3, 2, 8, requires_grad=True)
+    rows, real, _, shapes = bucketed_rows(cu_seqlens, length_groups(LENGTHS, group_cost))
+    batch = mbi.BucketedBatch.build(real, shapes, torch.float32)
+    q, k, v = qkv[rows].unbind(1)  # (P, N, D) each
+    got = batch.attend(q, k, v, 0.3, 0.0)[real]  # real rows, sorted by length
+    expected = attention_per_sequence(*qkv.unbind(1), LENGTHS, 0.3)[rows[real]]
+    assert (got - expected).abs().max() < TOL
+    grad = torch.randn_like(got)
+    (g_expected,), (g_got,) = (torch.autograd.grad(y, qkv, grad) for y in (expected, got))
+    assert (g_got - g_expected).abs().max() < TOL
+
+
+def test_kernel_choice_on_this_machine():
+    q = torch.randn(4, 2, 8)
+    if not q.is_cuda:
+        assert mbi.varlen_kernel(q) is mbi.repadded_attention  # exact layout on CPU: under torch.compile only
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model: unpadded vs padded vs eager vs transformers
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def minilm(minilm_dir):
+    transformers.logging.set_verbosity_error()
+    ours = BertImplModel.from_pretrained(minilm_dir).eval()
+    stock = BertModel.from_pretrained(minilm_dir, attn_implementation="sdpa").eval()
+    return ours, stock
+
+
+def mixed_batch(vocab: int, lengths: list[int], left: set[int] = frozenset(), seed: int = 0) -> dict:
+    """Rows of random ids of the given lengths ([CLS] ... [SEP] with a real vocabulary), right-padded except the rows
+    in `left`."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(vocab // 30, vocab, (len(lengths), T), generator=g)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        span = slice(T - n, T) if b in left else slice(0, n)
+        mask[b, span] = 1
+        if n and vocab > 102:
+            ids[b, span.start], ids[b, span.stop - 1] = 101, 102
+    return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+
+
+def test_minilm_unpadded_matches_transformers_and_eager(minilm):
+    ours, stock = minilm
+    batch = mixed_batch(ours.config.vocab_size, [37, 5, 0, 61, 12, 61, 30, 2], left={4, 6})  # a padding-only row
+    real = batch["attention_mask"]
+    nonempty = real.sum(-1) > 0
+    with torch.no_grad():
+        expected = stock(**batch)
+        got = ours(**batch)  # unpadded (bucketed on CPU)
+        ours.set_attn_implementation("eager")
+        eager = ours(**batch)  # padded, the reference
+        ours.set_attn_implementation("sdpa")
+    assert real_diff(got.last_hidden_state, expected.last_hidden_state, real) <= TOL
+    assert real_diff(got.last_hidden_state, eager.last_hidden_state, real) <= TOL
+    assert (got.last_hidden_state[real == 0] == 0).all()  # padding positions are zero after re-padding
+    # [CLS] pooling: the first real token, also under left padding (transformers pools position 0 whatever it holds)
+    right = nonempty.clone()
+    right[[4, 6]] = False
+    assert (got.pooler_output - expected.pooler_output)[right].abs().max() <= TOL
+    assert (got.pooler_output - eager.pooler_output)[nonempty].abs().max() <= TOL
+
+
+def test_compiled_model_takes_exact_layout_and_matches():
+    torch.manual_seed(0)
+    model = BertImplModel(BertImplConfig(**TINY)).eval()
+    batch = mixed_batch(99, [9, 3, 0, 14, 6], left={3})
+    with torch.no_grad():
+        expected = model(**batch).last_hidden_state  # bucketed layout
+        got = torch.compile(model, backend="aot_eager")(**batch).last_hidden_state  # exact layout, re-padded kernel
+    assert real_diff(got, expected, batch["attention_mask"]) <= TOL
+
+
+def test_gradients_equal_padded_unpadded_eager():
+    torch.manual_seed(0)
+    config = BertImplConfig(**TINY)
+    batch = mixed_batch(99, [9, 3, 14, 6, 1, 14], left={1})
+    weights = torch.randn(*batch["input_ids"].shape, 32) * batch["attention_mask"][..., None]
+    grads = {}
+    for name, unpad_inputs, attn in (("unpadded", True, "sdpa"), ("padded", False, "sdpa"), ("eager", True, "eager")):
+        torch.manual_seed(1)
+        model = BertImplModel(BertImplConfig(**TINY, unpad_inputs=unpad_inputs))
+        model.set_attn_implementation(attn)
+        out = model(**batch)
+        ((out.last_hidden_state * weights).sum() + out.pooler_output.sum()).backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+    for other in ("padded", "eager"):
+        for n, g in grads["unpadded"].items():  # summed over tokens: fp32 rounding grows with the gradient's size
+            assert (g - grads[other][n]).abs().max() <= TOL * max(1.0, g.abs().max().item()), (other, n)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Packed batches (transformers' DataCollatorWithFlattening): no attention across sequences, on every path
+# ---------------------------------------------------------------------------------------------------------------------
+PACKING = {
+    "position_ids": dict(),
+    "flash_attn_kwargs": dict(return_flash_attn_kwargs=True),
+    "seq_idx": dict(return_seq_idx=True),
+}
+
+
+@pytest.mark.parametrize("path", ["unpadded", "padded sdpa", "eager"])
+@pytest.mark.parametrize("marker", list(PACKING))
+def test_packed_batch_equals_each_sequence_alone(minilm, marker, path):
+    ours, _ = minilm
+    g = torch.Generator().manual_seed(2)
+    lengths = [7, 19, 3, 11]
+    sequences = [[101] + torch.randint(1000, 30000, (n - 2,), generator=g).tolist() + [102] for n in lengths]
+    packed = DataCollatorWithFlattening(**PACKING[marker])([{"input_ids": s} for s in sequences])
+    packed.pop("labels")
+    ours.config.unpad_inputs = path == "unpadded"
+    ours.set_attn_implementation("eager" if path == "eager" else "sdpa")
+    try:
+        with torch.no_grad():
+            out = ours(**packed)
+            alone = [ours(input_ids=torch.tensor([s])) for s in sequences]
+    finally:
+        ours.config.unpad_inputs = True
+        ours.set_attn_implementation("sdpa")
+    expected = torch.cat([a.last_hidden_state[0] for a in alone])  # (nnz, H)
+    assert (out.last_hidden_state[0] - expected).abs().max() <= TOL
+    assert (out.pooler_output - torch.cat([a.pooler_output for a in alone])).abs().max() <= TOL  # (S, H)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pre-training: sparse MLM decoder, compile, autocast
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("head", [BertImplForPreTraining, BertImplForMaskedLM], ids=lambda h: h.__name__)
+def test_sparse_prediction_same_loss_and_gradients(head):
+    batch = mixed_batch(99, [9, 3, 14, 6], left={1})
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[0, 2], labels[2, 5], labels[2, 9], labels[3, 1] = 7, 8, 9, 10
+    extra = {"next_sentence_label": torch.tensor([0, 1, 1, 0])} if head is BertImplForPreTraining else {}
+    results = {}
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        model = head(BertImplConfig(**TINY, sparse_prediction=sparse))
+        out = model(**batch, labels=labels, **extra)
+        out.loss.backward()
+        logits = out.prediction_logits if head is BertImplForPreTraining else out.logits
+        results[sparse] = out.loss, logits, {n: p.grad for n, p in model.named_parameters()}
+    (loss_s, logits_s, grads_s), (loss_f, logits_f, grads_f) = results[True], results[False]
+    assert logits_s.shape == (4, 99) and logits_f.shape == (4, 14, 99)  # (M, V) vs (B, T, V)
+    assert (logits_s - logits_f[labels != -100]).abs().max() <= TOL
+    assert abs(loss_s.item() - loss_f.item()) <= TOL
+    for n, g in grads_s.items():
+        assert (g - grads_f[n]).abs().max() <= TOL, n
+    with torch.no_grad():  # without labels: the full logits
+        assert head(BertImplConfig(**TINY))(**batch).to_tuple()[0].shape == (4, 14, 99)
+
+
+def test_layers_compile_without_graph_breaks():
+    torch.manual_seed(0)
+    config = BertImplConfig(**TINY)
+    model = BertImplModel(config).eval()
+    layer = model.layers[0]
+    lengths = [5, 9, 2]
+    cu_seqlens = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).int()
+    x = torch.randn(sum(lengths), config.hidden_size)
+    rows, real, _, shapes = bucketed_rows(cu_seqlens, length_groups(lengths, 0))
+    inputs = {
+        "padded": (torch.randn(3, 9, config.hidden_size), model._additive_mask(
+            sequence_mask(cu_seqlens, 9).long(), False, None, None, None, torch.float32), None),
+        "exact": (x, None, mbi.VarlenBatch.build(cu_seqlens, 9, sum(lengths), torch.float32)),
+        "bucketed": (x[rows], None, mbi.BucketedBatch.build(real, shapes, torch.float32)),
+    }
+    for name, args in inputs.items():
+        torch._dynamo.reset()
+        assert torch._dynamo.explain(layer)(*args).graph_break_count == 0, name
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        assert (compiled(*args)[0] - layer(*args)[0]).abs().max() <= TOL, name
+
+
+@pytest.mark.parametrize("unpad_inputs", [True, False])
+def test_bf16_autocast_on_cpu_close_to_fp32(unpad_inputs):
+    torch.manual_seed(0)
+    model = BertImplForPreTraining(BertImplConfig(**TINY, unpad_inputs=unpad_inputs))
+    batch = mixed_batch(99, [9, 3, 14, 6], left={1})
+    labels = batch["input_ids"].masked_fill(torch.rand(batch["input_ids"].shape) > 0.3, -100)
+    with torch.no_grad():
+        fp32 = model(**batch, labels=labels, output_hidden_states=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = model(**batch, labels=labels, output_hidden_states=True)
+    bf16.loss.backward()
+    assert torch.isfinite(bf16.loss) and abs(bf16.loss.item() - fp32.loss.item()) < 0.05 * fp32.loss.item()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    last = bf16.hidden_states[-1].float().detach()
+    assert real_diff(last, fp32.hidden_states[-1], batch["attention_mask"]) < 0.1
