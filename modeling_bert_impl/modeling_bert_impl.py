@@ -1,12 +1,14 @@
 """BERT (Devlin et al., 2019) written from scratch as a transformers model.
 
 Shapes: B batch, T tokens, H hidden, N heads, D head dim (H = N * D), V vocabulary, nnz the real tokens of a batch
-without its padding, S the sequences of such a batch (B for a padded batch, more for a packed one).
+without its padding, S the sequences of such a batch (B for a padded batch, more for a packed one), P the rows the
+unpadded encoder runs on (nnz, or a few more in the CPU's bucketed layout).
 
-The encoder runs in one of two layouts. Padded: (B, T, H) with an additive attention mask, through transformers'
-attention functions (`eager`, `sdpa`, ...). Unpadded: (nnz, H), every dense layer on real tokens only, attention per
-sequence from `cu_seqlens`. The model unpads once per forward when the batch has padding or is packed, and re-pads
-its outputs once at the end.
+The encoder runs padded or unpadded. Padded: (B, T, H) with an additive attention mask, through transformers'
+attention functions (`eager`, `sdpa`, ...). Unpadded: (P, H), every dense layer on (nearly) real tokens only,
+attention per sequence: exact varlen kernels from `cu_seqlens` (flash-attention, jagged SDPA) on CUDA, sequences
+bucketed by length on CPU. The model unpads once per forward when the batch has padding or is packed, and re-pads its
+outputs once at the end.
 """
 
 from dataclasses import dataclass
@@ -145,8 +147,10 @@ class BucketedBatch(NamedTuple):
         return torch.cat(y) if len(y) > 1 else (y[0] if y else q)
 
 
-# Groups are cut where one more SDPA call saves more than this many padded rows (tuned on CPU with bench_model.py).
-BUCKET_GROUP_COST = 32
+# A new group (one more SDPA call) must save more than this many padded rows. Measured on MiniLM, 2 CPU threads: 0 to 8
+# are within a few percent of each other on an idle machine, larger costs pad more; 8 holds up best when the cores are
+# shared (an SDPA call then waits for both threads to be scheduled). benchmarks/RESULTS.md has the figures.
+BUCKET_GROUP_COST = 8
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
