@@ -197,10 +197,12 @@ def accuracy(ref, ours, batch: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------------------
-def summarize(title: str, rates: dict, extra=None):
-    ref, ours = (statistics.median(rates[name]) for name in ("transformers", "bert-impl"))
-    print(f"  {title:<28} transformers {ref:>9.0f} tok/s   bert-impl {ours:>9.0f} tok/s   ratio {ours / ref:.2f}x"
-          + (f"   {extra(ref, ours)}" if extra else ""))
+def report(title: str, values: dict):
+    """One line: each contender's value, and its ratio to transformers'."""
+    base = values["transformers"]
+    cells = [f"{name} {value:,.0f}" + ("" if name == "transformers" else f" ({value / base:.2f}x)")
+             for name, value in values.items()]
+    print(f"  {title:<30} " + " | ".join(cells))
 
 
 def bench_shape(folder: str, lo: int, hi: int, batch_size: int, args, peak_flops: float | None):
@@ -213,39 +215,43 @@ def bench_shape(folder: str, lo: int, hi: int, batch_size: int, args, peak_flops
           f"padded lengths {[b['input_ids'].shape[1] for b in batches]}")
 
     for name, diff in accuracy(ref, ours, batches[0]).items():
-        print(f"  max |diff| {name:<28} {diff:.2e}")
+        print(f"  max |diff| {name:<19} {diff:.2e}")
 
-    models = {"transformers": ref, "bert-impl": ours}
-    for m in models.values():
-        m.eval()
-    for b in batches[:1]:  # warm-up
-        for m in models.values():
-            inference(m, b, args.device)
-    rates = alternate({n: (lambda b, m=m: inference(m, b, args.device)) for n, m in models.items()},
-                      batches, args.repeats, args.device)
-    summarize("inference", rates)
-    memory = {n: statistics.median(peak_memory_mib(lambda: inference(m, batches[0], args.device), args.device)
-                                   for _ in range(3)) for n, m in models.items()}
-    print(f"  {'inference peak memory':<28} transformers {memory['transformers']:>7.0f} MiB     "
-          f"bert-impl {memory['bert-impl']:>7.0f} MiB     ratio {memory['bert-impl'] / memory['transformers']:.2f}x")
-
+    ref.eval(), ours.eval()
+    infer = {"transformers": lambda b: inference(ref, b, args.device), "bert-impl": lambda b: inference(ours, b, args.device)}
+    for run in infer.values():  # warm-up
+        run(batches[0])
+    rates = alternate(infer, batches, args.repeats, args.device)
+    report("inference, real tok/s", {n: statistics.median(r) for n, r in rates.items()})
+    report("inference peak memory, MiB",
+           {n: statistics.median(peak_memory_mib(lambda: run(batches[0]), args.device) for _ in range(3))
+            for n, run in infer.items()})
     if args.skip_train:
         return
-    optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for n, m in models.items()}
-    for m in models.values():
-        m.train()
-    for n, m in models.items():  # warm-up; also creates the optimizer state, so memory below is per step
-        training_step(m, optimizers[n], batches[0], args.device)
-    rates = alternate({n: (lambda b, n=n, m=m: training_step(m, optimizers[n], b, args.device))
-                       for n, m in models.items()}, batches, args.repeats, args.device)
-    n_params = sum(p.numel() for p in ours.parameters())  # tied weights once
-    mfu = (lambda r, o: f"MFU transformers {6 * n_params * r / peak_flops:.1%}, bert-impl {6 * n_params * o / peak_flops:.1%}"
-           ) if peak_flops else None
-    summarize("training step", rates, mfu)
-    memory = {n: statistics.median(peak_memory_mib(lambda: training_step(m, optimizers[n], batches[0], args.device),
-                                                   args.device) for _ in range(3)) for n, m in models.items()}
-    print(f"  {'training peak memory':<28} transformers {memory['transformers']:>7.0f} MiB     "
-          f"bert-impl {memory['bert-impl']:>7.0f} MiB     ratio {memory['bert-impl'] / memory['transformers']:.2f}x")
+
+    # Training: ours as configured (MLM decoder on the masked rows only), and with full (B, T, V) MLM logits to show
+    # what the padding-free encoder alone gives.
+    optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True) for m in (ref, ours)}
+
+    def step(model, sparse=True):
+        def run(b):
+            model.config.sparse_prediction = sparse
+            training_step(model, optimizers[model], b, args.device)
+        return run
+
+    train = {"transformers": step(ref), "bert-impl": step(ours), "bert-impl, full MLM logits": step(ours, sparse=False)}
+    ref.train(), ours.train()
+    for run in train.values():  # warm-up; also creates the optimizer state, so memory below is per step
+        run(batches[0])
+    rates = {n: statistics.median(r) for n, r in alternate(train, batches, args.repeats, args.device).items()}
+    report("training step, real tok/s", rates)
+    report("training peak memory, MiB",
+           {n: statistics.median(peak_memory_mib(lambda: run(batches[0]), args.device) for _ in range(3))
+            for n, run in train.items()})
+    if peak_flops:
+        n_params = sum(p.numel() for p in ours.parameters())  # tied weights once
+        print(f"  {'MFU (6 * params * real tok/s)':<30} "
+              + " | ".join(f"{n} {6 * n_params * r / peak_flops:.1%}" for n, r in rates.items()))
 
 
 def main():
