@@ -49,7 +49,7 @@ from .configuration_bert_impl import BertImplConfig
 
 try:  # optional: flash-attention's variable-length kernel, used on CUDA for fp16/bf16
     from flash_attn import flash_attn_varlen_func
-except ImportError:
+except (ImportError, OSError, RuntimeError):  # not installed, or built against another torch / CUDA
     flash_attn_varlen_func = None
 
 
