@@ -170,6 +170,13 @@ def test_minilm_unpadded_matches_transformers_and_eager(minilm):
     assert (got.pooler_output - eager.pooler_output)[nonempty].abs().max() <= TOL
 
 
+def test_batch_of_padding_only_runs():
+    model = BertImplModel(BertImplConfig(**TINY)).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.zeros(2, 5, dtype=torch.long))
+    assert out.last_hidden_state.shape == (2, 5, 32) and torch.isfinite(out.pooler_output).all()
+
+
 def test_compiled_model_takes_exact_layout_and_matches():
     torch.manual_seed(0)
     model = BertImplModel(BertImplConfig(**TINY)).eval()
