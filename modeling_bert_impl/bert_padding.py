@@ -1,7 +1,8 @@
 """Padding helpers: small pure functions that move between padded (B, T, ...) and unpadded (nnz, ...) layouts.
 
 Vocabulary: B batch, T padded length, nnz real (non-padding) tokens in the batch, cu_seqlens the cumulative sequence
-lengths `(S + 1,)` int32 starting at 0 (S sequences; S = B for a padded batch, more for a packed one).
+lengths `(S + 1,)` int32 starting at 0 (S sequences; S = B for a padded batch, more for a packed one). The bucketed
+layout (CPU) groups the sequences by length and pads each group g of s_g sequences to its longest, T_g: P rows in all.
 """
 
 import torch

@@ -23,8 +23,10 @@ class BertImplConfig(PreTrainedConfig):
     Fields are transformers' `BertConfig` fields, so a stock BERT `config.json` reads as is. Beyond them:
 
     unpad_inputs (`bool`, defaults to `True`):
-        Run the encoder on real tokens only when the attention mask has padding (or the batch is packed): unpad once
-        per forward, re-pad the outputs. Same outputs as the padded computation, less work. The `eager` attention
+        Run the encoder without the batch's padding when the attention mask has some (or the batch is packed): unpad
+        once per forward, re-pad the outputs. On CUDA the dense layers see real tokens only; on CPU sequences are
+        bucketed by length and padded within their bucket (a few percent of extra rows, no copies per layer). Same
+        outputs as the padded computation, less work. The `eager` attention
         implementation and `output_attentions=True` always take the padded path.
     sparse_prediction (`bool`, defaults to `True`):
         With MLM `labels`, run the vocabulary decoder on the masked positions only (labels != -100): the masked-LM and
