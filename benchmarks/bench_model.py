@@ -7,7 +7,9 @@ Both models get the same weights (a stock `BertForPreTraining` folder; MiniLM ha
 random and shared). Every measurement alternates the two models on the same batches and reports medians:
 
 - inference: `model.bert(...)` (the encoder + pooler), real (non-padding) tokens per second;
-- training: forward + backward + AdamW step of the pre-training model (MLM + NSP losses), real tokens per second;
+- training: forward + backward + fused AdamW step of the pre-training model (MLM + NSP losses), real tokens per
+  second; ours also with the full (B, T, V) MLM logits (`sparse_prediction=False`), for the encoder's share of the
+  gain; on GPU the step's MFU as well;
 - peak memory above what is live before the call: on CPU the process's peak RSS (Linux VmHWM, reset before each
   measurement, after malloc_trim hands freed memory back so that RSS is live memory), on GPU
   torch.cuda.max_memory_allocated;

@@ -189,7 +189,6 @@ def test_compiled_model_takes_exact_layout_and_matches():
 
 def test_gradients_equal_padded_unpadded_eager():
     torch.manual_seed(0)
-    config = BertImplConfig(**TINY)
     batch = mixed_batch(99, [9, 3, 14, 6, 1, 14], left={1})
     weights = torch.randn(*batch["input_ids"].shape, 32) * batch["attention_mask"][..., None]
     grads = {}
