@@ -6,7 +6,6 @@ so `AutoModelForX.from_pretrained(folder)` gives our classes without `trust_remo
 
 from transformers import AutoConfig
 
-from . import modeling_bert_impl as _modeling
 from .configuration_bert_impl import PRESETS, BertImplConfig
 from .modeling_bert_impl import (
     AUTO_CLASSES,

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
@@ -491,6 +490,8 @@ class BertImplModel(BertImplPreTrainedModel):
         if marked and B != 1:
             raise ValueError(f"a packed batch has batch size 1 (sequences concatenated), got input of shape {(B, T)}")
         has_padding = stats["nnz"] < B * T
+        if packed and has_padding:
+            raise ValueError("a packed batch (cu_seq_lens_q or seq_idx) has no padding: its attention_mask must be all ones")
         unpadded = (
             (packed or has_padding)
             and stats["nnz"] > 0  # a batch of padding only runs padded: nothing to unpad

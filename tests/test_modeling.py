@@ -397,3 +397,12 @@ def test_saved_weights_are_our_state_dict_so_trainer_resume_loads_them(tmp_path)
     assert result.missing_keys == ["mlm_head.decoder.weight"]  # tied to the word embeddings, not stored
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_packed_batch_with_padding_is_refused(small_model):
+    """Packing markers and an attention mask with zeros contradict each other: refuse rather than guess."""
+    x = torch.randint(1, 99, (1, 8))
+    mask = torch.ones(1, 8, dtype=torch.long)
+    mask[0, 6:] = 0
+    with pytest.raises(ValueError, match="packed batch"):
+        small_model(x, attention_mask=mask, seq_idx=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]))
