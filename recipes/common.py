@@ -122,6 +122,13 @@ def load_data(data_args: DataArguments, cache_dir: str | None = None, read_file=
     return datasets.DatasetDict({split: read_file(path) for split, path in files.items() if path})
 
 
+def require_splits(raw: datasets.DatasetDict, training_args: TrainingArguments) -> None:
+    """A clear error when --do_train / --do_eval / --do_predict has no train / validation / test split to read."""
+    for flag, split in (("do_train", "train"), ("do_eval", "validation"), ("do_predict", "test")):
+        if getattr(training_args, flag) and split not in raw:
+            raise ValueError(f"--{flag} needs the {split} split: give --{split}_file")
+
+
 def take(dataset: datasets.Dataset, n: int | None) -> datasets.Dataset:
     """The first n examples (all of them when n is None)."""
     return dataset if n is None else dataset.select(range(min(n, len(dataset))))

@@ -80,9 +80,7 @@ def main(argv: list[str] | None = None) -> Trainer:
     set_seed(training_args.seed)
 
     raw = common.load_data(data_args, model_args.cache_dir, read_file)
-    for flag, split in (("do_train", "train"), ("do_eval", "validation"), ("do_predict", "test")):
-        if getattr(training_args, flag) and split not in raw:
-            raise ValueError(f"--{flag} needs the {split} split: give --{split}_file")
+    common.require_splits(raw, training_args)
     words, tags = data_args.text_column_name, data_args.label_column_name
 
     # Tag names in id order: the data set's ClassLabel names, else the sorted tags of the train and validation data

@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> Trainer:
     set_seed(training_args.seed)
 
     raw = common.load_data(data_args, model_args.cache_dir, read_squad)
-    for flag, split in (("do_train", "train"), ("do_eval", "validation"), ("do_predict", "test")):
-        if getattr(training_args, flag) and split not in raw:
-            raise ValueError(f"--{flag} needs the {split} split: give --{split}_file")
+    common.require_splits(raw, training_args)
     tokenizer = common.load_tokenizer(model_args)
     max_length = common.sequence_length(data_args, tokenizer)
     if data_args.doc_stride >= max_length:
