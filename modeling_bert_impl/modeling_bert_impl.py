@@ -492,6 +492,7 @@ class BertImplModel(BertImplPreTrainedModel):
         has_padding = stats["nnz"] < B * T
         if packed and has_padding:
             raise ValueError("a packed batch (cu_seq_lens_q or seq_idx) has no padding: its attention_mask must be all ones")
+        packed_cu_seqlens = self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids) if packed else None  # (S + 1,)
         unpadded = (
             (packed or has_padding)
             and stats["nnz"] > 0  # a batch of padding only runs padded: nothing to unpad
@@ -502,8 +503,7 @@ class BertImplModel(BertImplPreTrainedModel):
 
         if unpadded:
             dtype = inputs_embeds.dtype if inputs_embeds is not None else self.embeddings.word_embeddings.weight.dtype
-            layout = self._unpadded_layout(attention_mask, packed, stats, cu_seq_lens_q, max_length_q, seq_idx,
-                                           position_ids, device, dtype)
+            layout = self._unpadded_layout(attention_mask, stats, packed_cu_seqlens, max_length_q, T, device, dtype)
             flat = lambda t: unpad(t, layout.grid) if t is not None else None  # (B, T, ...) -> (P, ...)
             x = self.embeddings(flat(input_ids), flat(token_type_ids), flat(position_ids), flat(inputs_embeds))  # (P, H)
             varlen, repad = layout.attention, (lambda h: layout.repad(h, B, T))
@@ -511,7 +511,7 @@ class BertImplModel(BertImplPreTrainedModel):
         else:
             x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
             varlen, repad = None, (lambda h: h)
-            mask = self._additive_mask(attention_mask, packed, cu_seq_lens_q, seq_idx, position_ids, x.dtype)
+            mask = self._additive_mask(attention_mask, packed_cu_seqlens, T, x.dtype)
 
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
@@ -527,7 +527,7 @@ class BertImplModel(BertImplPreTrainedModel):
             if varlen is not None:
                 pooled = self.pooler(x[layout.first])
             elif packed:
-                pooled = self.pooler(x[0, self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids)[:-1].long()])
+                pooled = self.pooler(x[0, packed_cu_seqlens[:-1].long()])
             else:
                 first = (attention_mask != 0).int().argmax(-1) if attention_mask is not None else torch.zeros(B, dtype=torch.long, device=device)
                 pooled = self.pooler(x[torch.arange(B, device=device), first])
@@ -541,13 +541,13 @@ class BertImplModel(BertImplPreTrainedModel):
         )
         return out if return_dict else out.to_tuple()
 
-    def _unpadded_layout(self, attention_mask, packed, stats, cu_seq_lens_q, max_length_q, seq_idx, position_ids,
-                         device, dtype) -> UnpaddedLayout:
+    def _unpadded_layout(self, attention_mask, stats, packed_cu_seqlens, max_length_q, T, device,
+                         dtype) -> UnpaddedLayout:
         """The rows the unpadded encoder runs on: the real tokens (exact layout) on CUDA and under torch.compile, the
-        bucketed layout on CPU (see BucketedBatch)."""
+        bucketed layout on CPU (see BucketedBatch). `packed_cu_seqlens` is given for a packed batch, else None."""
+        packed = packed_cu_seqlens is not None
         if packed:  # (1, T): every position is a token
-            tokens = torch.arange(position_ids.shape[1], device=device)  # (nnz,)
-            cu_seqlens = self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids)
+            tokens, cu_seqlens = torch.arange(T, device=device), packed_cu_seqlens  # (nnz,), (S + 1,)
         else:
             tokens, cu_seqlens = unpad_indices(attention_mask, stats["nnz"])  # (nnz,), (S + 1,)
         if device.type == "cpu" and not torch.compiler.is_compiling():
@@ -628,18 +628,15 @@ class BertImplModel(BertImplPreTrainedModel):
             return cu_seqlens_from_seq_idx(seq_idx.flatten())
         return cu_seqlens_from_position_ids(position_ids.flatten())
 
-    def _additive_mask(self, attention_mask, packed, cu_seq_lens_q, seq_idx, position_ids, dtype):
+    @staticmethod
+    def _additive_mask(attention_mask, packed_cu_seqlens, T, dtype):
         """The padded path's mask, added to the attention scores: (B, 1, 1, T) for padding, (1, 1, T, T) block-diagonal
-        for a packed batch, None when nothing is masked. Masked scores get the dtype's minimum, so a row that is all
-        padding still gives finite (uniform) attention."""
-        if packed:
-            cu = self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids)
-            T = position_ids.shape[1]
+        for a packed batch (which has no padding), None when nothing is masked. Masked scores get the dtype's minimum,
+        so a row that is all padding still gives finite (uniform) attention."""
+        if packed_cu_seqlens is not None:
+            cu = packed_cu_seqlens
             segment = torch.bucketize(torch.arange(T, device=cu.device), cu[1:].long(), right=True)  # (T,)
-            allowed = segment[:, None] == segment[None, :]  # (T, T)
-            if attention_mask is not None:
-                allowed = allowed & (attention_mask[0] != 0)[None, :]
-            allowed = allowed[None, None]  # (1, 1, T, T)
+            allowed = (segment[:, None] == segment[None, :])[None, None]  # (1, 1, T, T)
         elif attention_mask is not None:
             allowed = (attention_mask != 0)[:, None, None, :]  # (B, 1, 1, T)
         else:
