@@ -12,8 +12,10 @@ Data:
   line, no quoting). The label is the `label` column (or GLUE's TSV names: gold_label, is_duplicate, score, Quality;
   or `--label_column_name`), the texts `--text_column_names`, else the task's columns, `sentence1`/`sentence2`,
   `sentence`, or the one or two other text columns. With `--task_name` too, the files are scored with that task's
-  metric. Float labels (or stsb) mean regression; other labels (strings or integers) are classes, sorted, and kept in
-  the model's `config.id2label`/`label2id`. Without a task the metric is accuracy (regression: Pearson/Spearman).
+  metric. Float labels (or stsb) mean regression; other labels (strings or integers) are classes, compared as text
+  (`1` and `"1"` are one class), sorted (integers in numeric order), and kept in the model's `config.id2label`/
+  `label2id`. Without a task the metric is accuracy (regression: Pearson/Spearman). Refused, naming the file and lines:
+  an empty label, a validation label the training file never has, a validation file without labels under --do_eval.
 
 Writes into --output_dir the model and tokenizer, `all_results.json` (train_*, eval_* metrics), with --do_predict
 `predict_results_<task>.txt` (label names), and a model card.

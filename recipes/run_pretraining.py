@@ -3,7 +3,9 @@
 
 Every `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`,
 `--push_to_hub`, `--report_to`, ...), and the script runs as is under `torchrun` and `accelerate launch`.
-See recipes/PRETRAINING.md for the paper's two-phase schedule.
+See recipes/PRETRAINING.md for the paper's two-phase schedule. As in the fine-tuning recipes (`common.py`), an
+--output_dir holding an earlier run is refused without --overwrite_output_dir, checkpoints are written all-or-nothing,
+and `--resume_from_checkpoint last` takes the newest complete one.
 
     python recipes/run_pretraining.py --config_name base --tokenizer_name bert-base-uncased \
         --train_file corpus/*.txt --max_seq_length 128 --do_train --do_eval --output_dir out/phase1

@@ -9,6 +9,9 @@ Data:
 - The official nested SQuAD JSON files (`{"data": [{"title", "paragraphs": [{"context", "qas": [...]}]}]}`), or the
   flattened `datasets` layout as JSON / JSON lines: one record per question with id, title, context, question,
   answers {text: [...], answer_start: [...]} (empty lists: no answer).
+- Checked before training: each answer against its context at answer_start (more than --answer_mismatch_tolerance of
+  the answered questions missing their text stops the run; fewer are left out of training), unanswerable questions
+  without --version_2_with_negative, questions too long for a window (`check_answers`, `check_question_lengths`).
 
 A context longer than --max_seq_length is cut into windows that overlap by --doc_stride tokens; training labels each
 window with the answer's tokens, or with [CLS] when the answer is not wholly inside it. Predictions take, over a
