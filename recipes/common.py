@@ -13,10 +13,8 @@ import logging
 import os
 import re
 import shutil
-import socket
 import sys
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import datasets
 import transformers

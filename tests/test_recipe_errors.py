@@ -262,6 +262,22 @@ def test_redact_hides_every_token_like_argument():
     assert "https://REDACTED@example.org/train.csv?access_token=REDACTED&x=1" in redacted
 
 
+def test_log_lines_are_redacted():
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(common.RedactingFilter())
+    log = logging.getLogger("test_recipe_errors.redaction")
+    log.addHandler(handler)
+    try:
+        log.warning("pushing with %s to %s", "hf_abcdefghijklmnop", "https://bob:pw@example.org/x")
+    finally:
+        log.removeHandler(handler)
+    assert stream.getvalue() == "pushing with REDACTED to https://REDACTED@example.org/x\n"
+
+
 def test_hub_token_reaches_no_file_and_no_log_line(tiny_dir, tmp_path, capsys, caplog):
     secret = "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"
     train = write_csv(tmp_path / "train.csv", ["sentence", "label"], SENTENCES)
