@@ -159,6 +159,10 @@ def prepare_run(args: TrainingArguments) -> None:
     if resume is not None:
         if not os.path.isdir(resume):
             raise ValueError(f"--resume_from_checkpoint {resume}: no such checkpoint folder")
+        if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+            raise ValueError(f"--resume_from_checkpoint {resume}: not a complete checkpoint (no trainer_state.json, "
+                             "the file the Trainer writes last); resume from an older one (--resume_from_checkpoint "
+                             "last takes the newest complete one)")
         missing = missing_training_state(resume)
         if missing and not args.resume_without_training_state:
             raise ValueError(

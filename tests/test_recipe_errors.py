@@ -329,6 +329,8 @@ def test_last_is_the_newest_complete_checkpoint_and_needs_the_training_state(tmp
     (tmp_path / common.STAGING_DIR).mkdir()
     args = training_args("--output_dir", tmp_path, "--resume_from_checkpoint", "True")
     assert args.resume_from_checkpoint == str(tmp_path / "checkpoint-20")
+    with pytest.raises(ValueError, match="checkpoint-30: not a complete checkpoint"):
+        training_args("--output_dir", tmp_path, "--resume_from_checkpoint", tmp_path / "checkpoint-30")
 
     for name in ("optimizer.pt", "rng_state.pth"):
         (tmp_path / "checkpoint-20" / name).unlink()
