@@ -5,7 +5,8 @@
 # through transformers' AutoModelForSequenceClassification and classify new sentences.
 # CPU only, offline (nothing is downloaded), a couple of minutes on a laptop.
 #
-# Environment: MODEL (another BERT folder or Hub id), OUT (output folder; default outputs/quickstart).
+# Environment: MODEL (another BERT folder or Hub id), OUT (output folder; default outputs/quickstart, replaced by each
+# run: --overwrite_output_dir).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
@@ -24,7 +25,7 @@ python recipes/run_glue.py \
     --learning_rate 1e-4 \
     --num_train_epochs 4 \
     --seed 42 \
-    --output_dir "$OUT" \
+    --output_dir "$OUT" --overwrite_output_dir \
     --save_strategy no \
     --logging_steps 8 \
     --report_to none \

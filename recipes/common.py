@@ -1,19 +1,25 @@
-"""What the fine-tuning recipes share: their command-line arguments, loading the tokenizer and the data, and the end of
-a run (train, save the model and the tokenizer, record metrics, write the model card).
+"""What the recipes share: their command-line arguments, the output directory and resuming (`prepare_run`),
+checkpoints written all-or-nothing (`RecipeTrainer`), reading and checking data files (`read_table`, `locate`), loading
+the tokenizer and the data, and the end of a run (train, save the model and the tokenizer, record metrics, write the
+model card with the command line, secrets redacted: `redact`).
 
 The recipes run as scripts (`python recipes/run_glue.py ...`, `torchrun ...`, `accelerate launch ...`): the script's
 folder is first on `sys.path`, so they import this module, `metrics` and `qa_utils` by their plain names.
 """
 
 import csv
+import json
 import logging
 import os
+import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 
 import datasets
 import transformers
 from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +64,241 @@ class DataArguments:
                              "--test_file")
 
 
+@dataclass
+class RecipeTrainingArguments(TrainingArguments):
+    """`TrainingArguments` and the two flags with which the recipes guard a user's earlier work (see `prepare_run`)."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an --output_dir that holds an earlier run: its checkpoints and results files are "
+                          "deleted first. Without this flag (or --resume_from_checkpoint) such a folder is refused."},
+    )
+    resume_without_training_state: bool = field(
+        default=False,
+        metadata={"help": "Resume from a checkpoint that lacks optimizer.pt, scheduler.pt or rng_state.pth: the missing "
+                          "state starts afresh, so the losses differ from those of an uninterrupted run."},
+    )
+
+
 def parse_args(data_class: type, argv: list[str] | None = None):
-    """(ModelArguments, data_class, TrainingArguments) from `argv` (default: the command line), or from the one JSON
-    file `argv` names."""
-    parser = HfArgumentParser((ModelArguments, data_class, TrainingArguments))
+    """(ModelArguments, data_class, RecipeTrainingArguments) from `argv` (default: the command line), or from the one
+    JSON file `argv` names; then `prepare_run` checks the output directory and resolves the checkpoint to resume."""
+    parser = HfArgumentParser((ModelArguments, data_class, RecipeTrainingArguments))
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
-    return parser.parse_args_into_dataclasses(args=argv)
+        parsed = parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    prepare_run(parsed[-1])
+    return parsed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The output directory, checkpoints and resuming
+# ---------------------------------------------------------------------------------------------------------------------
+CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+STAGING_DIR = ".incomplete-checkpoint"  # a checkpoint being written; renamed to checkpoint-N once complete
+TRAINING_STATE = ("optimizer.pt", "scheduler.pt", "rng_state.pth")
+RUN_FILES = ("trainer_state.json", "training_args.bin", "model.safetensors", "config.json")
+
+
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """The complete checkpoint-N folders of `output_dir`, oldest step first. A checkpoint is complete when it holds
+    trainer_state.json, the file the Trainer writes last (the recipes' own checkpoints only get their name once
+    complete, see `RecipeTrainer`; this also skips a half-written one left by another tool)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match, path = CHECKPOINT_NAME.match(name), os.path.join(output_dir, name)
+        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
+            found.append((int(match[1]), path))
+    return [path for _, path in sorted(found)]
+
+
+def missing_training_state(checkpoint: str) -> list[str]:
+    """Which of optimizer.pt, scheduler.pt, rng_state.pth (rng_state_<rank>.pth with several processes; other
+    optimizer layouts for FSDP and DeepSpeed) `checkpoint` lacks."""
+    names = os.listdir(checkpoint)
+    present = {
+        "optimizer.pt": any(n.startswith(("optimizer", "global_step")) for n in names),
+        "scheduler.pt": "scheduler.pt" in names,
+        "rng_state.pth": any(re.fullmatch(r"rng_state(_\d+)?\.pth", n) for n in names),
+    }
+    return [name for name in TRAINING_STATE if not present[name]]
+
+
+def earlier_run(output_dir: str) -> list[str]:
+    """What an earlier run left in `output_dir`: checkpoints (complete or not), results files, a trained model."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(n for n in os.listdir(output_dir)
+                  if CHECKPOINT_NAME.match(n) or n == STAGING_DIR or n in RUN_FILES or n.endswith("_results.json"))
+
+
+def prepare_run(args: TrainingArguments) -> None:
+    """Before anything is written, on every process: with --do_train, resolve --resume_from_checkpoint and guard
+    --output_dir.
+
+    - `--resume_from_checkpoint true` or `last`: the newest complete checkpoint of --output_dir (an error when there is
+      none); a path: that checkpoint. args.resume_from_checkpoint becomes the path. A checkpoint without its training
+      state (optimizer.pt, scheduler.pt, rng_state.pth) is refused unless --resume_without_training_state.
+    - An --output_dir holding an earlier run (checkpoints, results, a trained model) is refused unless the run resumes
+      or --overwrite_output_dir is given; that flag deletes the earlier checkpoints and results files first, so that the
+      folder never mixes two runs."""
+    if not args.do_train:
+        return
+    output_dir, resume = args.output_dir, args.resume_from_checkpoint
+    if resume is not None and resume.lower() in ("true", "last"):
+        checkpoints = complete_checkpoints(output_dir)
+        if not checkpoints:
+            raise ValueError(f"--resume_from_checkpoint {resume}: {output_dir} holds no complete checkpoint "
+                             f"({PREFIX_CHECKPOINT_DIR}-N folder with trainer_state.json); give a checkpoint's path")
+        resume = args.resume_from_checkpoint = checkpoints[-1]
+        logger.warning(f"resuming from the newest complete checkpoint, {resume}")
+    if resume is not None:
+        if not os.path.isdir(resume):
+            raise ValueError(f"--resume_from_checkpoint {resume}: no such checkpoint folder")
+        if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
+            raise ValueError(f"--resume_from_checkpoint {resume}: not a complete checkpoint (no trainer_state.json, "
+                             "the file the Trainer writes last); resume from an older one (--resume_from_checkpoint "
+                             "last takes the newest complete one)")
+        missing = missing_training_state(resume)
+        if missing and not args.resume_without_training_state:
+            raise ValueError(
+                f"--resume_from_checkpoint {resume}: the checkpoint lacks {', '.join(missing)}, so the run would not "
+                "continue where it stopped (the optimizer, the learning-rate schedule or the random state would start "
+                "afresh) and its losses would differ from those of an uninterrupted run. Resume from a complete "
+                "checkpoint, or pass --resume_without_training_state to resume anyway")
+        if missing:
+            logger.warning(f"resuming from {resume} without {', '.join(missing)}: the losses will differ from those of "
+                           "an uninterrupted run")
+        return
+    previous = earlier_run(output_dir)
+    if previous and not args.overwrite_output_dir:
+        shown = ", ".join(previous[:6]) + (", ..." if len(previous) > 6 else "")
+        raise ValueError(
+            f"--output_dir {output_dir} holds an earlier run ({shown}). Pass --resume_from_checkpoint last to continue "
+            "it, --overwrite_output_dir to delete its checkpoints and results and train afresh, or choose another "
+            "--output_dir")
+    if previous and args.should_save:
+        logger.warning(f"--overwrite_output_dir: deleting the earlier run's checkpoints and results in {output_dir}")
+        for name in previous:
+            path = os.path.join(output_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif name == "trainer_state.json" or name.endswith("_results.json"):  # the model is replaced when saved
+                os.remove(path)
+
+
+class RecipeTrainer(Trainer):
+    """`Trainer` whose checkpoints are all-or-nothing, and whose saved arguments (training_args.bin) hold no Hub token.
+
+    transformers writes checkpoint-N file by file in place, so a run killed while saving leaves a half-written newest
+    checkpoint. Here every process writes its part into --output_dir/.incomplete-checkpoint/checkpoint-N, and once all
+    are done the main process renames it to --output_dir/checkpoint-N (atomic on one file system); only then are the
+    oldest checkpoints deleted (--save_total_limit, by step) and the checkpoint pushed (--push_to_hub)."""
+
+    _staging: str | None = None  # while a checkpoint is being written: the folder it is written into
+    _push_pending = False
+
+    def _get_output_dir(self, trial) -> str:
+        return self._staging or super()._get_output_dir(trial)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self._staging:  # not from the folder about to be renamed: from the final one, below
+            self._push_pending = True
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = self._get_output_dir(trial)
+        staging = os.path.join(run_dir, STAGING_DIR)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staged, final = os.path.join(staging, name), os.path.join(run_dir, name)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # what a run killed while saving left
+        self.accelerator.wait_for_everyone()
+        self._staging = staging
+        try:
+            super()._save_checkpoint(model, trial)  # writes into `staged`, through _get_output_dir
+        finally:
+            self._staging = None
+        if self.state.best_model_checkpoint == staged:
+            self.state.best_model_checkpoint = final
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+        self.accelerator.wait_for_everyone()  # every process has written its part
+        if self.args.should_save:
+            if os.path.exists(final):  # the same step saved by an earlier attempt: replace it
+                os.rename(final, os.path.join(staging, "replaced"))
+            os.rename(staged, final)
+            shutil.rmtree(staging)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+        self.accelerator.wait_for_everyone()
+        if self._push_pending:
+            self._push_pending = False
+            super()._push_from_checkpoint(final)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        token, self.args.hub_token = self.args.hub_token, None  # training_args.bin pickles the arguments
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            self.args.hub_token = token
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Secrets
+# ---------------------------------------------------------------------------------------------------------------------
+REDACTED = "REDACTED"  # no shell metacharacters: the card quotes the command line for a shell
+SECRET_FLAG = re.compile(r"^--?(?:\w+_)?(?:token|secret|password|passwd|api_key|apikey|credentials?)$", re.IGNORECASE)
+SECRET_TEXT = (
+    (re.compile(r"\bhf_[A-Za-z0-9]{8,}"), REDACTED),  # a Hugging Face token
+    # NAME=value whose name ends like a secret's (HF_TOKEN=..., --hub_token=..., ?access_token=... in a URL)
+    (re.compile(r"(?i)\b([A-Za-z_]*(?:token|secret|password|passwd|api_key|apikey)=)[^\s&]+"), rf"\1{REDACTED}"),
+    (re.compile(r"(://)[^/\s@]+@"), rf"\1{REDACTED}@"),  # user:password@ in a URL
+)
+
+
+def redact_text(text: str) -> str:
+    """`text` with Hub tokens, NAME=secret pairs and the credentials of URLs replaced by REDACTED."""
+    for pattern, replacement in SECRET_TEXT:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def redact(argv: list[str]) -> list[str]:
+    """A command line fit to be written down: the value of every secret-like flag (--hub_token, --token,
+    --*_password, ...) and any token-like text (see `redact_text`) replaced by REDACTED."""
+    out, secret_next = [], False
+    for arg in map(str, argv):
+        name, equals, _ = arg.partition("=")
+        if secret_next:
+            out.append(REDACTED)
+            secret_next = False
+        elif SECRET_FLAG.match(name):
+            out.append(f"{name}={REDACTED}" if equals else arg)
+            secret_next = not equals
+        else:
+            out.append(redact_text(arg))
+    return out
+
+
+class RedactingFilter(logging.Filter):
+    """Redacts secrets (`redact_text`) from every record a handler emits."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact_text(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        return True
 
 
 def setup_logging(training_args: TrainingArguments) -> None:
-    """Log to stdout; the main process at the level asked for (default: warnings), the others at warnings only."""
+    """Log to stdout; the main process at the level asked for (default: warnings), the others at warnings only; secrets
+    redacted from every line (`RedactingFilter`)."""
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
         datefmt="%m/%d/%Y %H:%M:%S",
@@ -79,6 +308,10 @@ def setup_logging(training_args: TrainingArguments) -> None:
     logging.getLogger().setLevel(level)
     datasets.utils.logging.set_verbosity(level)
     transformers.utils.logging.set_verbosity(level)
+    for name in (None, "transformers", "datasets"):  # the libraries' loggers have handlers of their own
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+                handler.addFilter(RedactingFilter())
     logger.info(f"Training/evaluation parameters {training_args}")
 
 
@@ -101,25 +334,173 @@ def sequence_length(data_args: DataArguments, tokenizer) -> int:
     return data_args.max_seq_length
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Data files
+# ---------------------------------------------------------------------------------------------------------------------
+TABLE_EXTENSIONS = ("csv", "tsv", "json", "jsonl")
+
+
+def read_text(path: str) -> str:
+    """The text of a UTF-8 file; a ValueError naming the file (and the line) when it is missing, empty or not UTF-8."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ValueError(f"{path}, line {line}, column {column}: byte {data[error.start]:#04x} is not UTF-8; save the "
+                         "file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 old > new`)") from None
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty")
+    return text
+
+
+def csv_rows(path: str, text: str):
+    """(line number, fields) of each row of a CSV (or, .tsv, GLUE's tab-separated unquoted) file, header first; blank
+    lines skipped, as the loader skips them."""
+    dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.lower().endswith(".tsv") else {}
+    reader = csv.reader(text.splitlines(keepends=True), **dialect)
+    end = 0
+    for fields in reader:
+        start, end = end + 1, reader.line_num
+        if fields:
+            yield start, fields
+
+
+def json_records(path: str, text: str):
+    """(line number or None, record) of a JSON file holding a list of objects, or of a JSON-lines file (one object per
+    line); a ValueError naming the line when one is not a JSON object."""
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}, line {error.lineno}, column {error.colno}: not valid JSON ({error.msg})") from None
+        lines = [None] * len(records)
+    else:
+        numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+        records, lines = [], []
+        for n, line in numbered:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                cut = " (the file looks cut off)" if n == numbered[-1][0] else ""
+                raise ValueError(f"{path}, line {n}, column {error.colno}: not a complete JSON object ({error.msg}){cut}; "
+                                 "a JSON-lines file holds one JSON object per line") from None
+            lines.append(n)
+    for n, (line, record) in enumerate(zip(lines, records)):
+        if not isinstance(record, dict):
+            where = f"line {line}" if line else f"record {n + 1}"
+            raise ValueError(f"{path}, {where}: expected a JSON object of named fields, got {type(record).__name__}")
+    return zip(lines, records)
+
+
+def check_table(path: str) -> None:
+    """A ValueError naming the file and the line for what the `datasets` loaders would only report as "An error
+    occurred while generating the dataset": a missing, empty or non-UTF-8 file, a CSV row whose number of fields is
+    not the header's, a line of a JSON-lines file that is not one complete JSON object."""
+    text = read_text(path)
+    if path.rsplit(".", 1)[-1].lower() in ("csv", "tsv"):
+        rows = csv_rows(path, text)
+        _, header = next(rows)
+        count = 0
+        for line, fields in rows:
+            count += 1
+            if len(fields) != len(header):
+                hint = "quote the fields that contain a comma" if path.lower().endswith(".csv") else \
+                    "a text field must not contain a tab"
+                raise ValueError(f"{path}, line {line}: {len(fields)} fields, but the header line has {len(header)} "
+                                 f"({', '.join(header)}); {hint}, or fill in the missing fields")
+        if not count:
+            raise ValueError(f"{path}: a header line but no rows")
+    else:
+        if not any(True for _ in json_records(path, text)):
+            raise ValueError(f"{path}: no records")
+
+
 def read_table(path: str) -> datasets.Dataset:
-    """A CSV, TSV (tab-separated, unquoted: GLUE's original files), JSON or JSON-lines file as a Dataset."""
+    """A CSV, TSV (tab-separated, unquoted: GLUE's original files), JSON (a list of objects) or JSON-lines file as a
+    Dataset, checked first (`check_table`)."""
     extension = path.rsplit(".", 1)[-1].lower()
-    if extension == "tsv":
-        return datasets.load_dataset("csv", data_files=path, delimiter="\t", quoting=csv.QUOTE_NONE, split="train")
-    if extension == "csv":
-        return datasets.load_dataset("csv", data_files=path, split="train")
-    if extension in ("json", "jsonl"):
+    if extension not in TABLE_EXTENSIONS:
+        raise ValueError(f"{path}: expected a .csv, .tsv, .json or .jsonl file")
+    check_table(path)
+    try:
+        if extension == "tsv":
+            return datasets.load_dataset("csv", data_files=path, delimiter="\t", quoting=csv.QUOTE_NONE,
+                                         split="train")
+        if extension == "csv":
+            return datasets.load_dataset("csv", data_files=path, split="train")
         return datasets.load_dataset("json", data_files=path, split="train")
-    raise ValueError(f"{path}: expected a .csv, .tsv, .json or .jsonl file")
+    except datasets.exceptions.DatasetGenerationError as error:  # what check_table does not foresee
+        raise ValueError(f"{path}: could not be read: {error.__cause__ or error}") from error
+
+
+def locate(path: str, indices: list[int]) -> list[str]:
+    """Where rows `indices` (0-based, in file order) of a data file are: "FILE, line N" (CSV, TSV, JSON lines) or
+    "FILE, record N" (a JSON list). Re-reads the file: for error messages only."""
+    if path.rsplit(".", 1)[-1].lower() in ("csv", "tsv"):
+        rows = csv_rows(path, read_text(path))
+        next(rows)  # the header
+    else:
+        rows = json_records(path, read_text(path))
+    lines = dict(enumerate(line for line, _ in rows))
+    return [f"{path}, line {lines[i]}" if lines.get(i) else f"{path}, record {i + 1}" for i in indices]
+
+
+def hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether the Hub answers at all (one request, no retries): False at once when HF_HUB_OFFLINE is set."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception:  # any failure to connect: DNS, refused, timeout, proxy, TLS
+        return False
+    return True
+
+
+def load_hub_dataset(name: str, config: str | None, cache_dir: str | None) -> datasets.DatasetDict:
+    """A data set from the Hub, or from the cache when offline; when neither can serve it, a ValueError saying at once
+    that the data must be given as files (instead of the loaders' minute of retries)."""
+    from huggingface_hub import constants
+
+    advice = "give the data as files instead: --train_file, --validation_file, --test_file"
+    if not constants.HF_HUB_OFFLINE and not hub_reachable():
+        raise ValueError(f"the Hub ({constants.ENDPOINT}) cannot be reached to download the data set {name!r}: "
+                         f"{advice} (or set HF_HUB_OFFLINE=1 to use a copy already in the cache)")
+    try:
+        return datasets.load_dataset(name, config, cache_dir=cache_dir)
+    except ConnectionError as error:
+        if not constants.HF_HUB_OFFLINE:
+            raise
+        raise ValueError(f"HF_HUB_OFFLINE is set and the data set {name!r} is not in the cache: {advice}") from error
 
 
 def load_data(data_args: DataArguments, cache_dir: str | None = None, read_file=read_table) -> datasets.DatasetDict:
-    """--dataset_name (with --dataset_config_name) from the Hub, or the --train_file, --validation_file and
-    --test_file files as the splits "train", "validation" and "test", each read by `read_file(path)`."""
+    """--dataset_name (with --dataset_config_name) from the Hub (`load_hub_dataset`), or the --train_file,
+    --validation_file and --test_file files as the splits "train", "validation" and "test", each read by
+    `read_file(path)`."""
     if data_args.dataset_name is not None:
-        return datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name, cache_dir=cache_dir)
+        return load_hub_dataset(data_args.dataset_name, data_args.dataset_config_name, cache_dir)
+    return datasets.DatasetDict({split: read_file(path) for split, path in data_files(data_args).items()})
+
+
+def data_files(data_args: DataArguments) -> dict[str, str]:
+    """{split: path} of the --train_file, --validation_file and --test_file given."""
     files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-    return datasets.DatasetDict({split: read_file(path) for split, path in files.items() if path})
+    return {split: path for split, path in files.items() if path}
+
+
+def refuse_rows(path: str, rows: list[int], problem: str, advice: str) -> None:
+    """A ValueError for the rows (indices) of file `path` that have `problem`: how many, where the first few are."""
+    if rows:
+        where = "; ".join(locate(path, rows[:5])) + ("; ..." if len(rows) > 5 else "")
+        raise ValueError(f"{len(rows)} row(s) {problem}: {where}. {advice}")
 
 
 def require_splits(raw: datasets.DatasetDict, training_args: TrainingArguments) -> None:
@@ -148,7 +529,8 @@ def preprocess(dataset, function, training_args: TrainingArguments, data_args: D
 
 
 def train_and_save(trainer: Trainer, training_args: TrainingArguments, num_examples: int) -> dict:
-    """Train, save the model (`save_pretrained`) and the tokenizer into --output_dir, and record the train metrics."""
+    """Train (from the checkpoint `prepare_run` resolved, if any), save the model (`save_pretrained`) and the tokenizer
+    into --output_dir, and record the train metrics."""
     result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model()  # the model and, as the Trainer's processing_class, the tokenizer
     trainer.save_state()
@@ -173,7 +555,7 @@ def record(trainer: Trainer, split: str, metrics: dict) -> None:
 def finish(trainer: Trainer, model_args: ModelArguments, metrics: dict, script: str, argv: list[str] | None = None,
            dataset: str | None = None, dataset_config: str | None = None) -> None:
     """After the run: push to the Hub if asked, and write the model card (README.md: the model, `metrics`, the command
-    line) into --output_dir, on the main process only. Without the project's model_card module the card is skipped
+    line, secrets redacted) into --output_dir, on the main process only. Without the project's model_card module the card is skipped
     with a warning."""
     args = trainer.args
     if args.push_to_hub:
@@ -185,7 +567,7 @@ def finish(trainer: Trainer, model_args: ModelArguments, metrics: dict, script: 
     except ImportError as error:
         logger.warning(f"no model card written: {error}")
         return
-    command = ["python", f"recipes/{os.path.basename(script)}", *(sys.argv[1:] if argv is None else argv)]
+    command = ["python", f"recipes/{os.path.basename(script)}", *redact(sys.argv[1:] if argv is None else argv)]
     base_model = None if os.path.isdir(model_args.model_name_or_path) else model_args.model_name_or_path
     readme = write_model_card(
         args.output_dir, trainer.model, metrics=metrics, command=command, base_model=base_model,

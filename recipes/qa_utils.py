@@ -1,6 +1,7 @@
 """SQuAD for `run_qa.py`, in pure Python (no model, tokenizer or array library), so every step is unit-testable.
 
 - `flatten_squad`: the official nested SQuAD JSON -> one record per question, in the `datasets` layout.
+- `answer_mismatches`: the answers whose answer_start does not point at their text in the context.
 - `answer_token_span`: the token span of an answer inside one window of a tokenized context (training labels).
 - `postprocess_qa_predictions`: start/end logits of every window -> one answer text per question (n-best decoding,
   SQuAD v2 no-answer decision).
@@ -21,11 +22,21 @@ def flatten_squad(squad: dict) -> list[dict]:
     """The official nested layout `{"data": [{"title", "paragraphs": [{"context", "qas": [{"id", "question",
     "answers": [{"text", "answer_start"}], "is_impossible"}]}]}]}` -> records `{"id", "title", "context", "question",
     "answers": {"text": [...], "answer_start": [...]}}`. Impossible (v2) questions get empty answer lists; their
-    `plausible_answers` are dropped."""
+    `plausible_answers` are dropped. A paragraph or question without its required fields is a ValueError saying
+    where it is (data[i].paragraphs[j])."""
     records = []
-    for article in squad["data"]:
-        for paragraph in article["paragraphs"]:
-            for qa in paragraph["qas"]:
+    for i, article in enumerate(squad["data"]):
+        for j, paragraph in enumerate(article.get("paragraphs", [])):
+            qas = paragraph.get("qas", [])
+            for key in ("context", "qas"):
+                if key not in paragraph:
+                    ids = ", ".join(str(qa.get("id")) for qa in qas[:3]) or "none"
+                    raise ValueError(f"data[{i}].paragraphs[{j}] has no {key!r} (its question ids: {ids})")
+            for k, qa in enumerate(qas):
+                missing = [key for key in ("id", "question") if key not in qa]
+                if missing:
+                    raise ValueError(f"data[{i}].paragraphs[{j}].qas[{k}] (id {qa.get('id')}) has no "
+                                     f"{' and no '.join(map(repr, missing))}")
                 answers = [] if qa.get("is_impossible", False) else qa.get("answers", [])
                 records.append({
                     "id": str(qa["id"]),
@@ -38,6 +49,25 @@ def flatten_squad(squad: dict) -> list[dict]:
                     },
                 })
     return records
+
+
+def answer_mismatches(records) -> list[tuple[str, str]]:
+    """(id, what is wrong) of the records (`datasets` layout) with an answer that is not found at its answer_start in
+    the context: the start is past the end of the context, or the context there holds other text."""
+    bad = []
+    for record in records:
+        context, answers = record["context"], record["answers"]
+        for text, start in zip(answers["text"], answers["answer_start"]):
+            if not 0 <= start < len(context):
+                bad.append((record["id"], f"answer_start {start} is outside the context ({len(context)} characters)"))
+                break
+            if context[start:start + len(text)] != text:
+                found = context.find(text)
+                hint = f"; the text is at {found}" if found >= 0 else "; the text is not in the context"
+                bad.append((record["id"], f"answer_start {start} points at {context[start:start + len(text)]!r}, not "
+                                          f"{text!r}{hint}"))
+                break
+    return bad
 
 
 def answer_token_span(offsets, sequence_ids, start_char: int, end_char: int, cls_index: int = 0) -> tuple[int, int]:

@@ -12,8 +12,10 @@ Data:
   line, no quoting). The label is the `label` column (or GLUE's TSV names: gold_label, is_duplicate, score, Quality;
   or `--label_column_name`), the texts `--text_column_names`, else the task's columns, `sentence1`/`sentence2`,
   `sentence`, or the one or two other text columns. With `--task_name` too, the files are scored with that task's
-  metric. Float labels (or stsb) mean regression; other labels (strings or integers) are classes, sorted, and kept in
-  the model's `config.id2label`/`label2id`. Without a task the metric is accuracy (regression: Pearson/Spearman).
+  metric. Float labels (or stsb) mean regression; other labels (strings or integers) are classes, compared as text
+  (`1` and `"1"` are one class), sorted (integers in numeric order), and kept in the model's `config.id2label`/
+  `label2id`. Without a task the metric is accuracy (regression: Pearson/Spearman). Refused, naming the file and lines:
+  an empty label, a validation label the training file never has, a validation file without labels under --do_eval.
 
 Writes into --output_dir the model and tokenizer, `all_results.json` (train_*, eval_* metrics), with --do_predict
 `predict_results_<task>.txt` (label names), and a model card.
@@ -21,6 +23,7 @@ Writes into --output_dir the model and tokenizer, `all_results.json` (train_*, e
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +46,7 @@ TASK_TO_KEYS = {
     "rte": ("sentence1", "sentence2"),
     "wnli": ("sentence1", "sentence2"),
 }
+INTEGER = re.compile(r"-?\d+")
 # The label column of GLUE's original TSV files where it is not "label": MNLI, QQP, STS-B, MRPC.
 TSV_LABEL_COLUMNS = ("gold_label", "is_duplicate", "score", "Quality")
 
@@ -91,6 +95,22 @@ def find_text_columns(dataset, label_column, data_args) -> list[str]:
     raise ValueError(f"cannot tell the text columns among {columns}; pass --text_column_names")
 
 
+def check_labels(raw, files: dict[str, str], label_column: str, classes: bool) -> None:
+    """A ValueError naming the file and lines of labelled rows of the --train_file / --validation_file that cannot be
+    trained or scored: an empty label, or, for classes, a validation label that the training file never has."""
+    labelled = [s for s in ("train", "validation") if s in files and label_column in raw[s].column_names]
+    for split in labelled:
+        empty = [i for i, v in enumerate(raw[split][label_column]) if v is None or v != v]  # None, NaN
+        common.refuse_rows(files[split], empty, f"have an empty {label_column!r}", "Fill in the labels or remove the "
+                           "rows.")
+    if classes and labelled == ["train", "validation"]:
+        known = {str(v) for v in raw["train"].unique(label_column)}
+        unseen = [i for i, v in enumerate(raw["validation"][label_column]) if str(v) not in known]
+        common.refuse_rows(files["validation"], unseen, f"have a {label_column!r} that {files['train']} never has "
+                           f"(its labels: {', '.join(sorted(known))})", "The model cannot learn such a class: correct "
+                           "the labels, or add training examples of it.")
+
+
 def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(DataArguments, argv)
@@ -114,23 +134,31 @@ def main(argv: list[str] | None = None) -> Trainer:
     label_column = find_label_column(reference.column_names, data_args)
     text_columns = find_text_columns(reference, label_column, data_args)
     logger.info(f"text columns {text_columns}, label column {label_column!r}")
+    files = common.data_files(data_args) if data_args.dataset_name is None else {}
+    if training_args.do_eval and "validation" in files and label_column not in raw["validation"].column_names:
+        raise ValueError(f"{files['validation']}: no label column {label_column!r} (its columns: "
+                         f"{', '.join(raw['validation'].column_names)}), so --do_eval has nothing to score; add the "
+                         "labels, name their column with --label_column_name, or give the file as --test_file with "
+                         "--do_predict")
     labelled = [raw[s] for s in ("train", "validation") if s in raw and label_column in raw[s].column_names]
     if (training_args.do_train or training_args.do_eval) and not labelled:
         raise ValueError(f"no label column among {reference.column_names}; pass --label_column_name")
 
     tokenizer = common.load_tokenizer(model_args)
     max_length = common.sequence_length(data_args, tokenizer)
-    label_to_id = None  # raw label -> class id, when the data's labels are not ids already
+    label_to_id = None  # str(raw label) -> class id, when the data's labels are not ids already
     if labelled:  # the labels come from the data
         feature = labelled[0].features[label_column]
         is_regression = task == "stsb" or (task is None and feature.dtype.startswith("float"))
+        check_labels(raw, files, label_column, classes=not is_regression and training_args.do_train)
         if is_regression:
             config = {"num_labels": 1, "problem_type": "regression"}
         else:
             if hasattr(feature, "names"):  # a ClassLabel: ids already, with names
                 labels = list(feature.names)
-            else:
-                labels = sorted(set().union(*(d.unique(label_column) for d in labelled)))
+            else:  # compared as text, so that 1 in one file and "1" in the other are one class; integers in order
+                labels = sorted({str(v) for d in labelled for v in d.unique(label_column)},
+                                key=lambda v: (0, int(v), "") if INTEGER.fullmatch(v) else (1, 0, v))
                 label_to_id = {label: i for i, label in enumerate(labels)}
             config = {
                 "num_labels": len(labels),
@@ -155,7 +183,7 @@ def main(argv: list[str] | None = None) -> Trainer:
             values = batch[label_column]
             encoded["labels"] = (
                 [float(v) for v in values] if is_regression
-                else [label_to_id[v] for v in values] if label_to_id
+                else [label_to_id[str(v)] for v in values] if label_to_id
                 else values
             )
         return encoded
@@ -176,7 +204,7 @@ def main(argv: list[str] | None = None) -> Trainer:
 
     train_dataset = prepare("train", data_args.max_train_samples) if training_args.do_train else None
     eval_datasets = {s: prepare(s, data_args.max_eval_samples) for s in eval_splits} if training_args.do_eval else {}
-    trainer = Trainer(
+    trainer = common.RecipeTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

@@ -73,6 +73,33 @@ def read_file(path: str) -> datasets.Dataset:
     return common.read_table(path)
 
 
+def refuse_sentences(path: str, rows: list[int], problem: str, advice: str) -> None:
+    """`common.refuse_rows` for sentences: a CoNLL file's sentences are numbered, not located by line."""
+    if rows and path.rsplit(".", 1)[-1].lower() in ("txt", "conll"):
+        shown = ", ".join(str(i + 1) for i in rows[:5]) + (", ..." if len(rows) > 5 else "")
+        raise ValueError(f"{path}: {len(rows)} sentence(s) {problem}: sentence(s) {shown}. {advice}")
+    common.refuse_rows(path, rows, problem, advice)
+
+
+def check_sentences(raw, files: dict[str, str], words: str, tags: str) -> None:
+    """A ValueError naming the file and line of each file's first sentences whose words or tags are missing, or whose
+    number of tags is not its number of words."""
+    for split, path in files.items():
+        columns = raw[split].column_names
+        if words not in columns:
+            raise ValueError(f"{path}: no {words!r} column (its columns: {', '.join(columns)}); name the column of the "
+                             "words with --text_column_name")
+        if tags not in columns:
+            if split != "test":
+                raise ValueError(f"{path}: no {tags!r} column (its columns: {', '.join(columns)}); name the column of "
+                                 "the tags with --label_column_name")
+            continue
+        bad = [i for i, (w, t) in enumerate(zip(raw[split][words], raw[split][tags]))
+               if not isinstance(w, list) or not isinstance(t, list) or len(w) != len(t) or None in w or None in t]
+        refuse_sentences(path, bad, f"do not have one {tags!r} tag per {words!r} word (lists of equal length, no "
+                         "empty item)", "Give each word its tag.")
+
+
 def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(DataArguments, argv)
@@ -85,6 +112,7 @@ def main(argv: list[str] | None = None) -> Trainer:
 
     # Tag names in id order: the data set's ClassLabel names, else the sorted tags of the train and validation data
     # (else, to predict only, the fine-tuned model's).
+    check_sentences(raw, common.data_files(data_args) if data_args.dataset_name is None else {}, words, tags)
     tagged = [raw[s] for s in ("train", "validation", "test") if s in raw and tags in raw[s].column_names]
     by_id = bool(tagged) and hasattr(getattr(tagged[0].features[tags], "feature", None), "names")
     labelled = [raw[s] for s in ("train", "validation") if s in raw and tags in raw[s].column_names]
@@ -107,6 +135,10 @@ def main(argv: list[str] | None = None) -> Trainer:
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **config,
     )
     label_list = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    if not by_id and "test" in raw and tags in raw["test"].column_names:
+        unknown = [i for i, sentence in enumerate(raw["test"][tags]) if not set(map(str, sentence)) <= set(label_list)]
+        refuse_sentences(data_args.test_file or "the test split", unknown, "have tags the model does not know "
+                         f"(it knows {', '.join(label_list)})", "Correct the tags, or drop them to predict only.")
     tag_to_id = None if by_id else {label: i for i, label in enumerate(label_list)}  # tag string -> id
     # B-X -> I-X (when the model has I-X), for the continuation sub-tokens of --label_all_tokens.
     b_to_i = [label_list.index("I-" + l[2:]) if l.startswith("B-") and "I-" + l[2:] in label_list else i
@@ -152,7 +184,7 @@ def main(argv: list[str] | None = None) -> Trainer:
         train_dataset = prepare("train", data_args.max_train_samples, label_all_tokens=data_args.label_all_tokens)
     eval_dataset = prepare("validation", data_args.max_eval_samples) if training_args.do_eval else None
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorForTokenClassification(tokenizer)
-    trainer = Trainer(
+    trainer = common.RecipeTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

@@ -3,7 +3,9 @@
 
 Every `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`,
 `--push_to_hub`, `--report_to`, ...), and the script runs as is under `torchrun` and `accelerate launch`.
-See recipes/PRETRAINING.md for the paper's two-phase schedule.
+See recipes/PRETRAINING.md for the paper's two-phase schedule. As in the fine-tuning recipes (`common.py`), an
+--output_dir holding an earlier run is refused without --overwrite_output_dir, checkpoints are written all-or-nothing,
+and `--resume_from_checkpoint last` takes the newest complete one.
 
     python recipes/run_pretraining.py --config_name base --tokenizer_name bert-base-uncased \
         --train_file corpus/*.txt --max_seq_length 128 --do_train --do_eval --output_dir out/phase1
@@ -23,10 +25,10 @@ import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
-import transformers
 from datasets import IterableDataset, load_dataset
-from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, TrainingArguments, set_seed
 
+import common
 from modeling_bert_impl import PRESETS, BertImplConfig, BertImplForPreTraining
 from pretraining_data import (
     DataCollatorForPreTraining,
@@ -80,7 +82,9 @@ class DataTrainingArguments:
     )
     validation_file: list[str] | None = field(default=None, metadata={"help": "Validation file(s), same format."})
     validation_split_percentage: int = field(
-        default=5, metadata={"help": "Without a validation split or file, hold out this % of the training documents."}
+        default=5,
+        metadata={"help": "Without a validation split or file, hold out this percentage of the training documents "
+                          "(at least 2 documents)."},
     )
     streaming: bool = field(default=False, metadata={"help": "Stream the data (needs --max_steps)."})
     max_seq_length: int = field(default=128, metadata={"help": "Tokens per example, [CLS] and [SEP]s included."})
@@ -196,13 +200,32 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
         split_lines, has_validation = False, "validation" in files
     raw = {}
     if data_args.train_file or data_args.dataset_name:
-        holdout = not has_validation and pct > 0 and not data_args.streaming
-        raw["train"] = load(f"train[{pct}%:]" if holdout else "train")
-        if holdout:
-            raw["validation"] = load(f"train[:{pct}%]")
+        raw["train"] = load("train")
+        if not has_validation and pct > 0 and not data_args.streaming:
+            raw["train"], raw["validation"] = hold_out(raw["train"], pct)
     if has_validation:
         raw["validation"] = load("validation")
     return raw, split_lines
+
+
+MIN_DOCUMENTS = 2  # NotNext pairs take their second segment from another document
+
+
+def hold_out(rows, pct: int):
+    """(train, validation): the first `pct` percent of the rows (documents) held out, rounded as datasets' "train[:5%]"
+    rounds, but at least MIN_DOCUMENTS, with a warning when the percentage rounds to fewer (10 documents at 5% round to
+    none). A ValueError when too few rows are left on either side."""
+    n = len(rows)
+    k = int(round(pct * n / 100))
+    if n - max(k, MIN_DOCUMENTS) < MIN_DOCUMENTS:
+        raise ValueError(f"the training data holds {n} document(s): too few to hold out {pct}% for validation and keep "
+                         f"{MIN_DOCUMENTS} for training; give --validation_file, or --validation_split_percentage 0, "
+                         "and more documents (separated by blank lines)")
+    if k < MIN_DOCUMENTS:
+        logger.warning(f"--validation_split_percentage {pct} of {n} documents rounds to {k}: holding out "
+                       f"{MIN_DOCUMENTS} documents for validation")
+        k = MIN_DOCUMENTS
+    return rows.select(range(k, n)), rows.select(range(k))
 
 
 def prepare_examples(raw_split, tokenizer, data_args: DataTrainingArguments, seed: int, split_lines: bool, name: str):
@@ -218,6 +241,10 @@ def prepare_examples(raw_split, tokenizer, data_args: DataTrainingArguments, see
         fn_kwargs={"tokenizer": tokenizer, "text_column": "text", "split_lines": split_lines},
         **map_kwargs, **describe("Tokenizing documents"),
     )
+    if not streaming and len(documents) < MIN_DOCUMENTS:
+        raise ValueError(f"the {name} data holds {len(documents)} document(s) with text: BERT pre-training needs at "
+                         f"least {MIN_DOCUMENTS} (a NotNext pair takes its second segment from another document). In "
+                         "a --train_file or --validation_file, separate documents by a blank line")
     example_kwargs = {
         "seed": seed,
         "max_seq_length": data_args.max_seq_length,
@@ -328,7 +355,7 @@ class MaskingEpochCallback(TrainerCallback):
         self.collator.set_epoch(math.floor(state.epoch or 0))
 
 
-class PreTrainingTrainer(Trainer):
+class PreTrainingTrainer(common.RecipeTrainer):
     """`Trainer` that logs the MLM and NSP losses and accuracies of the training steps, and evaluates with fixed masks.
 
     The model returns per-batch mean losses, so the Trainer divides them by the accumulation steps itself
@@ -371,21 +398,18 @@ class PreTrainingTrainer(Trainer):
 # Main
 # ---------------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None):
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    """The three argument groups, then `common.prepare_run`: the output directory guard and the checkpoint to resume."""
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, common.RecipeTrainingArguments))
     if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        return parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
-    return parser.parse_args_into_dataclasses(args=argv)
+        parsed = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    common.prepare_run(parsed[-1])
+    return parsed
 
 
 def setup_logging(training_args: TrainingArguments) -> None:
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stdout)],
-    )
-    level = training_args.get_process_log_level()
-    logger.setLevel(level)
-    datasets.utils.logging.set_verbosity(level)
-    transformers.utils.logging.set_verbosity(level)
+    common.setup_logging(training_args)
     logger.warning(
         f"process rank {training_args.process_index}, world size {training_args.world_size}, "
         f"device {training_args.device}, distributed {torch.distributed.is_initialized()}"
@@ -401,13 +425,6 @@ def check_data_parallel(training_args: TrainingArguments) -> None:
             f"{launched} processes were launched but each trains alone (world size 1): on CPU pass --use_cpu for data "
             "parallel training over gloo"
         )
-
-
-def resume_target(value: str | None) -> str | bool | None:
-    """--resume_from_checkpoint PATH, or true/last for the newest checkpoint in --output_dir."""
-    if value is not None and value.lower() in ("true", "last"):
-        return True
-    return value
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -467,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = {}
     if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=resume_target(training_args.resume_from_checkpoint))
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
         metrics = {**train_result.metrics, **distributed}
         if not isinstance(train_dataset, IterableDataset):

@@ -9,6 +9,9 @@ Data:
 - The official nested SQuAD JSON files (`{"data": [{"title", "paragraphs": [{"context", "qas": [...]}]}]}`), or the
   flattened `datasets` layout as JSON / JSON lines: one record per question with id, title, context, question,
   answers {text: [...], answer_start: [...]} (empty lists: no answer).
+- Checked before training: each answer against its context at answer_start (more than --answer_mismatch_tolerance of
+  the answered questions missing their text stops the run; fewer are left out of training), unanswerable questions
+  without --version_2_with_negative, questions too long for a window (`check_answers`, `check_question_lengths`).
 
 A context longer than --max_seq_length is cut into windows that overlap by --doc_stride tokens; training labels each
 window with the answer's tokens, or with [CLS] when the answer is not wholly inside it. Predictions take, over a
@@ -21,6 +24,7 @@ Writes into --output_dir the model and tokenizer, `all_results.json`, `predictio
 """
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -29,7 +33,9 @@ from transformers import DataCollatorWithPadding, Trainer, default_data_collator
 
 import common
 from modeling_bert_impl import BertImplForQuestionAnswering
-from qa_utils import answer_token_span, flatten_squad, postprocess_qa_predictions, squad_metrics
+from qa_utils import answer_mismatches, answer_token_span, flatten_squad, postprocess_qa_predictions, squad_metrics
+
+logger = logging.getLogger(__name__)
 
 SQUAD_FEATURES = datasets.Features({
     "id": datasets.Value("string"),
@@ -55,6 +61,11 @@ class DataArguments(common.DataArguments):
     )
     n_best_size: int = field(default=20, metadata={"help": "Best start and end positions tried per window."})
     max_answer_length: int = field(default=30, metadata={"help": "The longest answer, in tokens."})
+    answer_mismatch_tolerance: float = field(
+        default=0.01,
+        metadata={"help": "Share of a file's answered questions whose answer_start may miss the answer text (they are "
+                          "left out of training, with a warning); more stops the run."},
+    )
 
     def __post_init__(self):
         if self.dataset_name == "squad_v2" or (self.dataset_name or "").endswith("/squad_v2"):
@@ -63,18 +74,86 @@ class DataArguments(common.DataArguments):
 
 
 def read_squad(path: str) -> datasets.Dataset:
-    """A SQuAD file: the official nested JSON, or flattened records as a JSON list, {"data": [...]} or JSON lines."""
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            records = [json.loads(line) for line in f if line.strip()]
-        else:
-            records = json.load(f)
-    if isinstance(records, dict):
-        records = flatten_squad(records) if records["data"] and "paragraphs" in records["data"][0] else records["data"]
+    """A SQuAD file: the official nested JSON, or flattened records as a JSON list, {"data": [...]} or JSON lines.
+    A record without id, context or question is a ValueError naming the file and where in it."""
+    text = common.read_text(path)
+    if path.endswith(".jsonl"):
+        numbered = [(f"line {line}", record) for line, record in common.json_records(path, text)]
+    else:
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}, line {error.lineno}, column {error.colno}: not valid JSON ({error.msg})") from None
+        if isinstance(records, dict):
+            if not isinstance(records.get("data"), list):
+                raise ValueError(f"{path}: expected SQuAD's {{\"data\": [...]}} or a list of records")
+            if records["data"] and "paragraphs" in records["data"][0]:
+                try:
+                    records = flatten_squad(records)
+                except ValueError as error:
+                    raise ValueError(f"{path}: {error}") from None
+            else:
+                records = records["data"]
+        numbered = [(f"record {n + 1}", record) for n, record in enumerate(records)]
     empty = {"text": [], "answer_start": []}
-    rows = [{"id": str(r["id"]), "title": r.get("title", ""), "context": r["context"], "question": r["question"],
-             "answers": r.get("answers") or empty} for r in records]
+    rows = []
+    for where, r in numbered:
+        missing = [key for key in ("id", "context", "question") if not isinstance(r, dict) or key not in r]
+        if missing:
+            raise ValueError(f"{path}, {where} (id {r.get('id') if isinstance(r, dict) else None}): no "
+                             f"{' and no '.join(map(repr, missing))}; every question needs an id, a context and a "
+                             "question")
+        rows.append({"id": str(r["id"]), "title": r.get("title", ""), "context": r["context"],
+                     "question": r["question"], "answers": r.get("answers") or empty})
     return datasets.Dataset.from_list(rows, features=SQUAD_FEATURES)
+
+
+def check_answers(raw, files: dict[str, str], data_args: DataArguments) -> None:
+    """Every labelled file's answers against its contexts (`answer_mismatches`): more than --answer_mismatch_tolerance
+    of the answered questions is a ValueError listing the first ids; fewer are warned about and left out of training.
+    Unanswerable questions without --version_2_with_negative are a ValueError (SQuAD v2 data)."""
+    for split, path in files.items():
+        if split == "test":  # answers optional, only scored as text
+            continue
+        examples = raw[split]
+        answered = [bool(a["text"]) for a in examples["answers"]]
+        if not data_args.version_2_with_negative and not all(answered):
+            ids = [i for i, a in zip(examples["id"], answered) if not a]
+            raise ValueError(f"{path}: {len(ids)} question(s) have no answer (ids {', '.join(ids[:5])}"
+                             f"{', ...' if len(ids) > 5 else ''}): this is SQuAD v2 data; pass "
+                             "--version_2_with_negative, or remove those questions")
+        bad = answer_mismatches(examples.select_columns(["id", "context", "answers"]))
+        if not bad:
+            continue
+        shown = "; ".join(f"id {qid}: {problem}" for qid, problem in bad[:3]) + ("; ..." if len(bad) > 3 else "")
+        report = f"{path}: {len(bad)} of {sum(answered)} answered questions have an answer_start that misses the " \
+                 f"answer text ({shown})"
+        if len(bad) > data_args.answer_mismatch_tolerance * sum(answered):
+            raise ValueError(f"{report}. Correct answer_start (the character offset of the answer in the context), or "
+                             f"raise --answer_mismatch_tolerance (now {data_args.answer_mismatch_tolerance}) to leave "
+                             "such questions out of training")
+        logger.warning(report + (": left out of training" if split == "train" else ""))
+        if split == "train":
+            ids = {qid for qid, _ in bad}
+            raw[split] = examples.filter(lambda qid: qid not in ids, input_columns="id")
+
+
+def check_question_lengths(raw, files: dict[str, str], tokenizer, max_length: int, doc_stride: int) -> None:
+    """A ValueError listing the questions too long for a window: one needs the question, 3 special tokens and more
+    than --doc_stride tokens of context within --max_seq_length."""
+    for split, examples in raw.items():
+        lengths = [len(ids) for ids in tokenizer([q.lstrip() for q in examples["question"]],
+                                                  add_special_tokens=False)["input_ids"]]
+        long = [i for i, n in enumerate(lengths) if n + 3 + doc_stride >= max_length]
+        if long:
+            longest = max(long, key=lengths.__getitem__)
+            ids = ", ".join(examples[i]["id"] for i in long[:5]) + (", ..." if len(long) > 5 else "")
+            raise ValueError(
+                f"{files.get(split, f'the {split} split')}: {len(long)} question(s) too long for --max_seq_length {max_length} with --doc_stride "
+                f"{doc_stride} (ids {ids}): a window holds the question, 3 special tokens and more than doc_stride "
+                f"context tokens, and question {examples[longest]['id']} has {lengths[longest]} tokens. Raise "
+                f"--max_seq_length above {lengths[longest] + 3 + doc_stride}, lower --doc_stride, or shorten those "
+                "questions")
 
 
 def main(argv: list[str] | None = None) -> Trainer:
@@ -85,10 +164,13 @@ def main(argv: list[str] | None = None) -> Trainer:
 
     raw = common.load_data(data_args, model_args.cache_dir, read_squad)
     common.require_splits(raw, training_args)
+    if data_args.dataset_name is None:
+        check_answers(raw, common.data_files(data_args), data_args)
     tokenizer = common.load_tokenizer(model_args)
     max_length = common.sequence_length(data_args, tokenizer)
     if data_args.doc_stride >= max_length:
         raise ValueError(f"--doc_stride ({data_args.doc_stride}) must be smaller than --max_seq_length ({max_length})")
+    check_question_lengths(raw, common.data_files(data_args), tokenizer, max_length, data_args.doc_stride)
     model = BertImplForQuestionAnswering.from_pretrained(model_args.model_name_or_path, cache_dir=model_args.cache_dir)
 
     def windows(batch):
@@ -158,7 +240,7 @@ def main(argv: list[str] | None = None) -> Trainer:
         last_eval["predictions"], last_eval["null_odds"] = decode(eval_examples, eval_features, *p.predictions)
         return score(eval_examples, last_eval["predictions"], last_eval["null_odds"])
 
-    trainer = Trainer(
+    trainer = common.RecipeTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

@@ -27,6 +27,26 @@ NUM_CHOICES = 4
 ENDINGS = [f"ending{i}" for i in range(NUM_CHOICES)]
 
 
+def check_examples(raw, files: dict[str, str]) -> None:
+    """A ValueError naming the file (and lines) when a column is missing, a text is empty, or a label is not the index
+    of an ending (0..3)."""
+    for split, path in files.items():
+        dataset = raw[split]
+        required = ["sent1", "sent2", *ENDINGS] + (["label"] if split != "test" else [])
+        missing = [c for c in required if c not in dataset.column_names]
+        if missing:
+            raise ValueError(f"{path}: no column(s) {', '.join(missing)} (its columns: {', '.join(dataset.column_names)})"
+                             f"; SWAG files have sent1, sent2, {', '.join(ENDINGS)} and label")
+        for column in ("sent1", "sent2", *ENDINGS):
+            empty = [i for i, v in enumerate(dataset[column]) if v is None]
+            common.refuse_rows(path, empty, f"have an empty {column!r}", "Fill it in or remove the rows.")
+        if "label" in dataset.column_names and split != "test":
+            bad = [i for i, v in enumerate(dataset["label"])
+                   if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v not in range(NUM_CHOICES)]
+            common.refuse_rows(path, bad, f"have a label that is not the index of an ending, 0 to {NUM_CHOICES - 1}",
+                               "Correct the labels.")
+
+
 def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(common.DataArguments, argv)
@@ -35,6 +55,8 @@ def main(argv: list[str] | None = None) -> Trainer:
 
     raw = common.load_data(data_args, model_args.cache_dir)
     common.require_splits(raw, training_args)
+    if data_args.dataset_name is None:
+        check_examples(raw, common.data_files(data_args))
     tokenizer = common.load_tokenizer(model_args)
     max_length = common.sequence_length(data_args, tokenizer)
     model = BertImplForMultipleChoice.from_pretrained(model_args.model_name_or_path, cache_dir=model_args.cache_dir)
@@ -72,7 +94,7 @@ def main(argv: list[str] | None = None) -> Trainer:
 
     train_dataset = prepare("train", data_args.max_train_samples) if training_args.do_train else None
     eval_dataset = prepare("validation", data_args.max_eval_samples) if training_args.do_eval else None
-    trainer = Trainer(
+    trainer = common.RecipeTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

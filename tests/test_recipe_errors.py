@@ -1,0 +1,351 @@
+"""The recipes on the data files and accidents users really have: every bad file is refused before training with a
+ValueError that names the file and the line (or the example id) and says what to change; secrets never reach the
+model card, a log line or a saved file; the output directory and resuming behave alike in every recipe.
+
+Files are written here in the recipes' real formats. The refusals come before any model is loaded or trained, so each
+case takes a fraction of a second; the few runs that train use a tiny bert-impl model (2 layers, H=128)."""
+
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+sys.path.insert(0, str(RECIPES))
+
+import common  # noqa: E402
+import run_glue  # noqa: E402
+import run_ner  # noqa: E402
+import run_pretraining  # noqa: E402
+import run_qa  # noqa: E402
+import run_swag  # noqa: E402
+
+COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0", "--max_seq_length", "32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(minilm_dir, tmp_path_factory):
+    """A tiny, randomly initialised bert-impl model with MiniLM's tokenizer: fast enough to train a few steps."""
+    import transformers
+
+    from modeling_bert_impl import BertImplConfig, BertImplForPreTraining
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    path = tmp_path_factory.mktemp("tiny")
+    BertImplForPreTraining(BertImplConfig.from_preset("tiny", vocab_size=len(tokenizer))).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def refused(recipe, model, out, *args, match: tuple[str, ...]) -> str:
+    """Run `recipe` and return its ValueError's message, which must contain every string of `match`."""
+    with pytest.raises(ValueError) as error:
+        recipe.main(["--model_name_or_path", model, "--output_dir", str(out), *COMMON, *map(str, args)])
+    message = str(error.value)
+    for fragment in match:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    return message
+
+
+def write_csv(path, header, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+SENTENCES = [("a lovely film", "yes"), ("a dreadful film", "no"), ("great fun", "yes"), ("so boring", "no")]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Files that cannot be read: the file and the line
+# ---------------------------------------------------------------------------------------------------------------------
+def test_unreadable_files_name_the_file_and_the_line(minilm_dir, tmp_path):
+    good = write_csv(tmp_path / "good.csv", ["sentence", "label"], SENTENCES)
+    cases = {
+        "empty.csv": (b"", ["empty.csv: the file is empty"]),
+        "extra.csv": (b"sentence,label\na lovely film,yes\na dreadful, film,no\n",
+                      ["extra.csv, line 3: 3 fields, but the header line has 2", "quote"]),
+        "latin1.csv": ("sentence,label\na lovely film,yes\nun film d\u00e9cevant,no\n".encode("latin-1"),
+                       ["latin1.csv, line 3, column 10: byte 0xe9 is not UTF-8"]),
+        "cut.jsonl": (b'{"sentence": "a lovely film", "label": "yes"}\n{"sentence": "so bor',
+                      ["cut.jsonl, line 2, column", "not a complete JSON object", "cut off"]),
+        "header.tsv": (b"sentence\tlabel\n", ["header.tsv: a header line but no rows"]),
+    }
+    for name, (content, match) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        refused(run_glue, minilm_dir, tmp_path / "out", "--train_file", tmp_path / name, "--validation_file", good,
+                "--do_train", match=tuple(match))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GLUE-style labels
+# ---------------------------------------------------------------------------------------------------------------------
+def test_glue_label_problems_are_refused_with_their_lines(minilm_dir, tmp_path):
+    train = write_csv(tmp_path / "train.csv", ["sentence", "label"], SENTENCES)
+    unseen = write_csv(tmp_path / "unseen.csv", ["sentence", "label"], SENTENCES[:2] + [("not sure", "maybe")])
+    refused(run_glue, minilm_dir, tmp_path / "out", "--train_file", train, "--validation_file", unseen, "--do_train",
+            "--do_eval", match=("unseen.csv, line 4", "train.csv never has (its labels: no, yes)"))
+    unlabelled = write_csv(tmp_path / "unlabelled.csv", ["sentence"], [("a lovely film",)])
+    refused(run_glue, minilm_dir, tmp_path / "out", "--train_file", train, "--validation_file", unlabelled,
+            "--do_train", "--do_eval", match=("unlabelled.csv: no label column 'label'", "--test_file"))
+    blank = write_csv(tmp_path / "blank.csv", ["sentence", "label"], SENTENCES[:2] + [("great fun", "")])
+    refused(run_glue, minilm_dir, tmp_path / "out", "--train_file", blank, "--do_train",
+            match=("1 row(s) have an empty 'label'", "blank.csv, line 4"))
+
+
+def test_glue_labels_written_as_integers_and_as_text_are_one_class(tiny_dir, tmp_path):
+    """0/1 in a CSV and "0"/"1" in JSON lines: the same two classes, in numeric order (not a TypeError)."""
+    train = write_csv(tmp_path / "train.csv", ["sentence", "label"], [(s, int(y == "yes")) for s, y in SENTENCES])
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("\n".join(json.dumps({"sentence": s, "label": str(int(y == "yes"))}) for s, y in SENTENCES))
+    trainer = run_glue.main(["--model_name_or_path", tiny_dir, "--output_dir", str(tmp_path / "out"), *COMMON,
+                             "--train_file", str(train), "--validation_file", str(dev), "--do_eval"])
+    assert trainer.model.config.id2label == {0: "0", 1: "1"}
+    assert "eval_accuracy" in json.loads((tmp_path / "out" / "all_results.json").read_text())
+
+
+def test_glue_task_without_files_offline_says_to_give_files(minilm_dir, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    refused(run_glue, minilm_dir, tmp_path / "out", "--task_name", "mrpc", "--do_train", "--cache_dir",
+            tmp_path / "cache", match=("HF_HUB_OFFLINE is set", "'nyu-mll/glue' is not in the cache", "--train_file"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    refused(run_glue, minilm_dir, tmp_path / "out", "--task_name", "mrpc", "--do_train", "--cache_dir",
+            tmp_path / "cache", match=("cannot be reached", "--train_file", "HF_HUB_OFFLINE=1"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# NER, SWAG
+# ---------------------------------------------------------------------------------------------------------------------
+def test_ner_sentence_with_fewer_tags_than_words(minilm_dir, tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"tokens": ["Anna", "lives", "here"], "ner_tags": ["B-PER", "O", "O"]}) + "\n"
+                    + json.dumps({"tokens": ["Peter", "left", "Oslo"], "ner_tags": ["B-PER", "O"]}) + "\n")
+    refused(run_ner, minilm_dir, tmp_path / "out", "--train_file", path, "--do_train",
+            match=("train.json, line 2", "one 'ner_tags' tag per 'tokens' word"))
+
+
+def test_swag_label_outside_the_endings(minilm_dir, tmp_path):
+    row = {"sent1": "Anna was hungry.", "sent2": "So she", "ending0": "ate.", "ending1": "slept.", "ending2": "ran.",
+           "ending3": "sang."}
+    rows = [{**row, "label": label} for label in (0, 3, 4, 1)]
+    path = tmp_path / "dev.csv"
+    write_csv(path, list(rows[0]), [list(r.values()) for r in rows])
+    refused(run_swag, minilm_dir, tmp_path / "out", "--validation_file", path, "--do_eval",
+            match=("dev.csv, line 4", "not the index of an ending, 0 to 3"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SQuAD
+# ---------------------------------------------------------------------------------------------------------------------
+def squad_file(path, questions, version="1.1"):
+    """Nested SQuAD JSON, one paragraph per question: (id, context, question, answer text, answer_start or None)."""
+    paragraphs = [{"context": context, "qas": [{
+        "id": qid, "question": question, "is_impossible": start is None,
+        "answers": [] if start is None else [{"text": text, "answer_start": start}]}]}
+        for qid, context, question, text, start in questions]
+    path.write_text(json.dumps({"version": version, "data": [{"title": "t", "paragraphs": paragraphs}]}))
+    return path
+
+
+def place_questions(n):
+    out = []
+    for i in range(n):
+        context = f"Person {i} was born in a small town. Person {i} lives in Paris."
+        out.append((f"q{i}", context, f"Where does person {i} live?", "Paris", context.index("Paris")))
+    return out
+
+
+def test_squad_answers_that_do_not_match_their_context(minilm_dir, tmp_path):
+    questions = place_questions(10)
+    for i in (2, 5, 7):  # off by 7 characters
+        qid, context, question, text, start = questions[i]
+        questions[i] = (qid, context, question, text, start - 7)
+    questions[8] = questions[8][:4] + (500,)  # past the end of the context
+    path = squad_file(tmp_path / "train.json", questions)
+    refused(run_qa, minilm_dir, tmp_path / "out", "--train_file", path, "--do_train",
+            match=("train.json: 4 of 10 answered questions", "id q2: answer_start", "not 'Paris'; the text is at",
+                   "--answer_mismatch_tolerance"))
+    message = refused(run_qa, minilm_dir, tmp_path / "out", "--train_file",
+                      squad_file(tmp_path / "past.json", questions[8:9]), "--do_train", match=("id q8",))
+    assert "answer_start 500 is outside the context (" in message
+
+
+def test_squad_few_mismatches_are_left_out_of_training():
+    questions = place_questions(200)
+    qid, context, question, text, start = questions[3]
+    questions[3] = (qid, context, question, text, start + 1)
+    records = [{"id": q, "context": c, "question": qu, "title": "", "answers": {"text": [t], "answer_start": [s]}}
+               for q, c, qu, t, s in questions]
+    import datasets
+
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_list(records)})
+    run_qa.check_answers(raw, {"train": "train.json"}, run_qa.DataArguments(train_file="train.json"))
+    assert len(raw["train"]) == 199 and "q3" not in raw["train"]["id"]
+
+
+def test_squad_structure_v2_and_long_questions(minilm_dir, tmp_path):
+    broken = {"data": [{"title": "t", "paragraphs": [{"context": "Anna lives in Oslo.", "qas": []},
+                                                     {"qas": [{"id": "x7", "question": "Who?", "answers": []}]}]}]}
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    refused(run_qa, minilm_dir, tmp_path / "out", "--train_file", tmp_path / "broken.json", "--do_train",
+            match=("broken.json: data[0].paragraphs[1] has no 'context'", "x7"))
+    v2 = squad_file(tmp_path / "v2.json", place_questions(3) + [("nope", "Anna lives in Oslo.", "Who is king?", "",
+                                                                  None)], version="v2.0")
+    refused(run_qa, minilm_dir, tmp_path / "out", "--train_file", v2, "--do_train",
+            match=("v2.json: 1 question(s) have no answer (ids nope)", "--version_2_with_negative"))
+    long = place_questions(2)
+    long[1] = (long[1][0], long[1][1], "Where, after all the many years and all the travels, " * 3 + "does she live?",
+               *long[1][3:])
+    refused(run_qa, minilm_dir, tmp_path / "out", "--train_file", squad_file(tmp_path / "long.json", long),
+            "--do_train", "--doc_stride", "8",
+            match=("long.json: 1 question(s) too long for --max_seq_length 32 with --doc_stride 8 (ids q1)",
+                   "Raise --max_seq_length above"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pre-training corpora too small to split or to pair
+# ---------------------------------------------------------------------------------------------------------------------
+def test_pretraining_corpus_of_one_sentence_is_refused(minilm_dir, tmp_path):
+    corpus = tmp_path / "one.txt"
+    corpus.write_text("The only sentence there is.\n")
+    args = ["--config_name", "tiny", "--tokenizer_name", minilm_dir, "--train_file", str(corpus), "--do_train",
+            "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"), *COMMON]
+    with pytest.raises(ValueError, match="holds 1 document.*too few to hold out 5%"):
+        run_pretraining.main(args)
+    with pytest.raises(ValueError, match="train data holds 1 document.*at least 2.*blank line"):
+        run_pretraining.main([*args, "--validation_split_percentage", "0"])
+
+
+def test_pretraining_small_corpus_holds_out_two_documents(tmp_path):
+    corpus = tmp_path / "ten.txt"
+    corpus.write_text("\n\n".join(f"Document {i} has a sentence.\nAnd a second one." for i in range(10)) + "\n")
+    data_args = run_pretraining.DataTrainingArguments(train_file=[str(corpus)])  # 5%: rounds to no document
+    raw, _ = run_pretraining.load_raw_datasets(data_args, run_pretraining.ModelArguments(cache_dir=str(tmp_path)))
+    assert (len(raw["train"]), len(raw["validation"])) == (8, 2)
+    assert raw["validation"]["text"][0].startswith("Document 0") and raw["train"]["text"][0].startswith("Document 2")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# --help, secrets
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", [run_glue, run_ner, run_qa, run_swag, run_pretraining])
+def test_help_of_every_recipe(recipe, capsys):
+    with pytest.raises(SystemExit) as exit:
+        recipe.main(["--help"])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    assert "--overwrite_output_dir" in text and "--resume_without_training_state" in text
+
+
+def test_redact_hides_every_token_like_argument():
+    argv = ["--hub_token", "hf_abcdefghijklmnop", "--token=hf_qrstuvwxyz123456", "--tokenizer_name", "bert-base",
+            "--hub_model_id", "me/model", "--run_name", "HF_TOKEN=secret1", "--train_file",
+            "https://alice:pa55@example.org/train.csv?access_token=secret2&x=1", "--db_password", "secret3",
+            "--resume_from_checkpoint", "hf_zyxwvutsrqponm"]
+    redacted = common.redact(argv)
+    text = " ".join(redacted)
+    for secret in ("hf_abcdefghijklmnop", "hf_qrstuvwxyz123456", "secret1", "pa55", "secret2", "secret3",
+                   "hf_zyxwvutsrqponm"):
+        assert secret not in text, secret
+    assert redacted[:6] == ["--hub_token", "REDACTED", "--token=REDACTED", "--tokenizer_name", "bert-base",
+                            "--hub_model_id"]
+    assert "https://REDACTED@example.org/train.csv?access_token=REDACTED&x=1" in redacted
+
+
+def test_log_lines_are_redacted():
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(common.RedactingFilter())
+    log = logging.getLogger("test_recipe_errors.redaction")
+    log.addHandler(handler)
+    try:
+        log.warning("pushing with %s to %s", "hf_abcdefghijklmnop", "https://bob:pw@example.org/x")
+    finally:
+        log.removeHandler(handler)
+    assert stream.getvalue() == "pushing with REDACTED to https://REDACTED@example.org/x\n"
+
+
+def test_hub_token_reaches_no_file_and_no_log_line(tiny_dir, tmp_path, capsys, caplog):
+    secret = "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"
+    train = write_csv(tmp_path / "train.csv", ["sentence", "label"], SENTENCES)
+    out = tmp_path / "out"
+    run_glue.main(["--model_name_or_path", tiny_dir, "--output_dir", str(out), *COMMON, "--train_file", str(train),
+                   "--do_train", "--max_steps", "1", "--save_steps", "1", "--hub_token", secret,
+                   "--log_level", "info"])
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name == "training_args.bin" for p in files) and (out / "README.md").is_file()
+    for path in files:
+        assert secret.encode() not in path.read_bytes(), path
+    assert "--hub_token REDACTED" in (out / "README.md").read_text()
+    logs = capsys.readouterr()
+    assert secret not in logs.out + logs.err + caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output directory and resuming, the same in every recipe (the runs as processes: tests/test_recipe_resume.py)
+# ---------------------------------------------------------------------------------------------------------------------
+def fake_checkpoint(output_dir: Path, step: int, files=("model.safetensors", "trainer_state.json", "optimizer.pt",
+                                                        "scheduler.pt", "rng_state.pth")) -> Path:
+    path = output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    path.mkdir(parents=True)
+    for name in files:
+        (path / name).write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize("recipe", [run_glue, run_ner, run_qa, run_swag, run_pretraining])
+def test_every_recipe_resumes_last_and_guards_the_output_dir(recipe, minilm_dir, tmp_path):
+    args = ["--model_name_or_path", minilm_dir] if recipe is not run_pretraining else ["--tokenizer_name", minilm_dir]
+    args += ["--train_file", str(tmp_path / "train.csv"), "--do_train", "--output_dir", str(tmp_path), *COMMON]
+    with pytest.raises(ValueError, match="--resume_from_checkpoint last: .* holds no complete checkpoint"):
+        recipe.main([*args, "--resume_from_checkpoint", "last"])
+    fake_checkpoint(tmp_path, 5)
+    with pytest.raises(ValueError, match="holds an earlier run .*--resume_from_checkpoint last.*--overwrite_output_dir"):
+        recipe.main(args)
+
+
+def training_args(*args):
+    return common.parse_args(common.DataArguments, ["--model_name_or_path", "m", "--train_file", "t.csv",
+                                                    "--do_train", *map(str, args)])[-1]
+
+
+def test_last_is_the_newest_complete_checkpoint_and_needs_the_training_state(tmp_path):
+    fake_checkpoint(tmp_path, 10)
+    fake_checkpoint(tmp_path, 20)
+    fake_checkpoint(tmp_path, 30, files=("model.safetensors",))  # half-written by a killed run of another tool
+    (tmp_path / common.STAGING_DIR).mkdir()
+    args = training_args("--output_dir", tmp_path, "--resume_from_checkpoint", "True")
+    assert args.resume_from_checkpoint == str(tmp_path / "checkpoint-20")
+    with pytest.raises(ValueError, match="checkpoint-30: not a complete checkpoint"):
+        training_args("--output_dir", tmp_path, "--resume_from_checkpoint", tmp_path / "checkpoint-30")
+
+    for name in ("optimizer.pt", "rng_state.pth"):
+        (tmp_path / "checkpoint-20" / name).unlink()
+    with pytest.raises(ValueError, match="lacks optimizer.pt, rng_state.pth.*losses would differ.*"
+                                         "--resume_without_training_state"):
+        training_args("--output_dir", tmp_path, "--resume_from_checkpoint", "last")
+    args = training_args("--output_dir", tmp_path, "--resume_from_checkpoint", "last",
+                         "--resume_without_training_state")
+    assert args.resume_from_checkpoint == str(tmp_path / "checkpoint-20")
+
+
+def test_overwrite_output_dir_deletes_the_earlier_checkpoints_and_results(tmp_path):
+    fake_checkpoint(tmp_path, 10)
+    (tmp_path / common.STAGING_DIR).mkdir()
+    for name in ("all_results.json", "trainer_state.json", "model.safetensors", "notes.txt"):
+        (tmp_path / name).write_text("{}")
+    training_args("--output_dir", tmp_path, "--overwrite_output_dir")
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "notes.txt"]

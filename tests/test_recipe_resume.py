@@ -1,0 +1,154 @@
+"""A user's earlier work survives the accidents that really happen, with run_glue.py run as real processes on a tiny
+bert-impl model (2 layers, H=128) and MiniLM's tokenizer:
+
+- a second run into the same --output_dir is refused and leaves the first run's checkpoints untouched;
+  --overwrite_output_dir replaces them without leaving a mix of two runs;
+- a run SIGKILLed while writing a checkpoint leaves no half-written checkpoint-N: `--resume_from_checkpoint last` takes
+  the newest complete one and logs the same losses as the uninterrupted run.
+
+The kill is deterministic: a wrapper script pauses the save of one step after part of the checkpoint is written
+(model, optimizer, random state; trainer_state.json not yet), writes a sentinel file, and the test kills it then."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+SENTENCES = ["a lovely film", "a dreadful film", "great fun", "so boring", "truly wonderful", "awful acting",
+             "a charming story", "a tedious plot", "brilliant music", "poor dialogue", "superb cast", "bad jokes"]
+
+# Pauses the save of step PAUSE_STEP after the random state is written, the last file before trainer_state.json.
+PAUSING_RUN = """
+import sys, time
+sys.path.insert(0, {recipes!r})
+import transformers
+save_rng_state = transformers.Trainer._save_rng_state
+def pausing(self, output_dir):
+    save_rng_state(self, output_dir)
+    if self.state.global_step == {step}:
+        open({sentinel!r}, "w").close()
+        time.sleep(600)
+transformers.Trainer._save_rng_state = pausing
+import run_glue
+run_glue.main(sys.argv[1:])
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(minilm_dir, tmp_path_factory):
+    """(tiny model folder, training file)."""
+    import transformers
+
+    from modeling_bert_impl import BertImplConfig, BertImplForPreTraining
+
+    root = tmp_path_factory.mktemp("resume")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    BertImplForPreTraining(BertImplConfig.from_preset("tiny", vocab_size=len(tokenizer))).save_pretrained(root / "m")
+    tokenizer.save_pretrained(root / "m")
+    train = root / "train.csv"
+    train.write_text("sentence,label\n" + "".join(f"{s},{i % 2}\n" for i, s in enumerate(SENTENCES)))
+    return str(root / "m"), str(train)
+
+
+def command(setup, out, *extra, script=None):
+    model, train = setup
+    return [sys.executable, script or str(RECIPES / "run_glue.py"), "--model_name_or_path", model,
+            "--train_file", train, "--do_train", "--output_dir", str(out), "--max_seq_length", "16",
+            "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--max_steps", "6", "--save_steps", "2",
+            "--logging_steps", "1", "--seed", "0", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
+            "--dataloader_num_workers", "0", *extra]
+
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": str(RECIPES.parent)}
+
+
+def run(cmd) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+
+
+def losses(out) -> dict[int, float]:
+    state = json.loads((Path(out) / "trainer_state.json").read_text())
+    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
+
+
+def checkpoints(out) -> list[str]:
+    return sorted(p.name for p in Path(out).iterdir() if p.name.startswith("checkpoint-"))
+
+
+def digest(folder) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reference(setup, tmp_path_factory):
+    """The output folder of an uninterrupted run of 6 steps, checkpoints at 2, 4 and 6."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    done = run(command(setup, out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    return out
+
+
+@pytest.mark.slow
+def test_second_run_refused_and_overwrite_leaves_one_run(setup, reference, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    before = digest(out)
+
+    second = run(command(setup, out, "--save_total_limit", "1"))
+    assert second.returncode != 0
+    message = second.stderr.strip().splitlines()[-1]
+    assert message.startswith("ValueError: --output_dir") and "holds an earlier run" in message
+    assert "--resume_from_checkpoint last" in message and "--overwrite_output_dir" in message
+    assert digest(out) == before  # not a file of the first run changed
+
+    third = run(command(setup, out, "--overwrite_output_dir", "--max_steps", "4"))
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]  # the first run's checkpoint-6 is gone: no mix
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_killed_while_saving_resumes_from_the_newest_complete_checkpoint(setup, reference, tmp_path):
+    out, sentinel = tmp_path / "out", tmp_path / "saving"
+    script = tmp_path / "pausing_run.py"
+    script.write_text(PAUSING_RUN.format(recipes=str(RECIPES), step=6, sentinel=str(sentinel)))
+    log = tmp_path / "killed.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(command(setup, out, script=str(script)), env=ENV, stdout=output, stderr=output)
+    try:
+        deadline = time.monotonic() + 240
+        while not sentinel.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sentinel.exists(), log.read_text()[-3000:]
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    # The half-written checkpoint-6 is aside, not under its final name; checkpoints 2 and 4 are intact.
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+    staged = out / ".incomplete-checkpoint" / "checkpoint-6"
+    assert (staged / "rng_state.pth").is_file() and not (staged / "trainer_state.json").exists()
+    for step in (2, 4):
+        assert digest(out / f"checkpoint-{step}").keys() == digest(reference / f"checkpoint-{step}").keys()
+
+    resumed = run(command(setup, out, "--resume_from_checkpoint", "last"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming from the newest complete checkpoint" in resumed.stdout + resumed.stderr
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert not (out / ".incomplete-checkpoint").exists()
+    expected, got = losses(reference), losses(out)
+    assert sorted(got) == list(range(1, 7))
+    worst = max(abs(got[step] - expected[step]) for step in (5, 6))
+    print(f"largest loss difference after resuming: {worst:.2e}")
+    assert worst <= 1e-6
