@@ -25,7 +25,7 @@ the BiLSTM. The paper fed the encoder each word's whole document as context; thi
 Features are cached in --feature_cache_dir, one float16 file per split named by a hash of the encoder's weights and the
 split's token ids (so of the model, the data, the tokenizer and --max_seq_length): a second run, with other heads or
 other training flags, reads them instead of running the encoder. Every hidden state of every token is stored:
-(L + 1) x H x 2 bytes per token, about 20 KB for BERT-base, 6 GB for CoNLL-2003's training set.
+(L + 1) x H x 2 bytes per token, 20 KB for BERT-base, so several GB for CoNLL-2003's 200k training words.
 
 Writes into --output_dir, per feature choice, a folder with the head (`model.safetensors`, `head_config.json`,
 `eval_predictions.txt`: the validation tags, one line per sentence), then `feature_based_results.json` and
@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
                          f"another")
     if training_args.do_predict:
         raise ValueError("--do_predict: this recipe scores --validation_file; tag new text with predict(head_dir, ...)")
+    fine_tuning = read_fine_tuned_f1(data_args.fine_tuned_dir) if data_args.fine_tuned_dir else None
 
     raw = common.load_data(data_args, model_args.cache_dir, run_ner.read_file)
     words, tags = data_args.text_column_name, data_args.label_column_name
@@ -284,6 +285,11 @@ def main(argv: list[str] | None = None) -> dict:
     encoder = BertImplModel.from_pretrained(model_args.model_name_or_path, cache_dir=model_args.cache_dir,
                                             add_pooling_layer=False).to(training_args.device).eval()
     num_layers, hidden_size = encoder.config.num_hidden_layers, encoder.config.hidden_size
+    layers = {name: FEATURES[name][1](num_layers) for name in data_args.feature_names}
+    for name, indices in layers.items():  # the hidden-layer choices must not reach the embeddings (0)
+        if name not in ("embeddings", "sum_all") and min(indices) < 1:
+            raise ValueError(f"--features {name} needs at least {num_layers - min(indices) + 1} layers; the model has "
+                             f"{num_layers}")
     model_hash = fingerprint(encoder)
     cache_dir = data_args.feature_cache_dir or os.path.join(constants.HF_HOME, "bert_impl_features")
 
@@ -307,38 +313,34 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = {}
     for name in data_args.feature_names:
-        title, layers_of, combine = FEATURES[name]
-        layers = layers_of(num_layers)
-        if min(layers) < 0:
-            raise ValueError(f"--features {name} needs {len(layers)} layers; the model has {num_layers}")
+        title, _, combine = FEATURES[name]
         set_seed(training_args.seed)
-        head = FeatureTagger(len(layers), hidden_size, combine, data_args.lstm_hidden_size, data_args.lstm_layers,
+        head = FeatureTagger(len(layers[name]), hidden_size, combine, data_args.lstm_hidden_size, data_args.lstm_layers,
                              len(label_list))
         head_dir = os.path.join(training_args.output_dir, name)
         trainer = Trainer(
             model=head,
             args=dataclasses.replace(training_args, output_dir=head_dir),
-            train_dataset=FeatureDataset(splits["train"][0], layers, splits["train"][1]),
-            eval_dataset=FeatureDataset(splits["validation"][0], layers, splits["validation"][1]),
+            train_dataset=FeatureDataset(splits["train"][0], layers[name], splits["train"][1]),
+            eval_dataset=FeatureDataset(splits["validation"][0], layers[name], splits["validation"][1]),
             data_collator=collate,
             compute_metrics=lambda p: seqeval_metrics(*first_subtoken_tags(p.predictions, p.label_ids, label_list)),
         )
         trainer.train()
         output = trainer.predict(trainer.eval_dataset, metric_key_prefix="eval")
         trainer.save_model(head_dir)  # model.safetensors
-        config = {"features": name, "layers": layers, "combine": combine, "hidden_size": hidden_size,
+        config = {"features": name, "layers": layers[name], "combine": combine, "hidden_size": hidden_size,
                   "lstm_hidden_size": data_args.lstm_hidden_size, "lstm_layers": data_args.lstm_layers,
-                  "labels": label_list, "model_name_or_path": model_args.model_name_or_path,
-                  "tokenizer_name": model_args.tokenizer_name, "max_seq_length": max_length}
+                  "labels": label_list, "model_name_or_path": located(model_args.model_name_or_path),
+                  "tokenizer_name": located(model_args.tokenizer_name), "max_seq_length": max_length}
         with open(os.path.join(head_dir, "head_config.json"), "w") as f:
             json.dump(config, f, indent=2)
         predicted, _ = first_subtoken_tags(output.predictions, output.label_ids, label_list)
         with open(os.path.join(head_dir, "eval_predictions.txt"), "w") as f:
             f.writelines(" ".join(row) + "\n" for row in predicted)
-        rows[name] = {"title": title, "layers": layers, **{k[5:]: v for k, v in output.metrics.items()
+        rows[name] = {"title": title, "layers": layers[name], **{k[5:]: v for k, v in output.metrics.items()
                                                           if k in ("eval_f1", "eval_precision", "eval_recall")}}
 
-    fine_tuning = read_fine_tuned_f1(data_args.fine_tuned_dir) if data_args.fine_tuned_dir else None
     table = format_table(rows, fine_tuning, num_layers)
     results = {"features": rows, "fine_tuning_f1": fine_tuning, "feature_cache": caches, "table": table}
     with open(os.path.join(training_args.output_dir, "feature_based_table.md"), "w") as f:
@@ -347,6 +349,11 @@ def main(argv: list[str] | None = None) -> dict:
         json.dump(results, f, indent=2)
     print(table)
     return results
+
+
+def located(name: str | None) -> str | None:
+    """A local folder as an absolute path (so a saved head finds its encoder from anywhere), a Hub id as it is."""
+    return os.path.abspath(name) if name and os.path.isdir(name) else name
 
 
 def read_fine_tuned_f1(run_dir: str) -> float:
