@@ -14,20 +14,16 @@ import modeling_bert_impl  # noqa: F401  (registers bert_impl with the Auto clas
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 sys.path.insert(0, str(RECIPES))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import answer  # noqa: E402
 import run_qa  # noqa: E402
 from qa_utils import tokenize_windows  # noqa: E402
+from test_recipes import CITIES, COMMON, FILLER, PEOPLE  # noqa: E402
 
-COMMON = ["--use_cpu", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--seed", "0",
-          "--per_device_eval_batch_size", "32"]
+pytestmark = pytest.mark.slow  # run_qa.py trains the model the tests ask
+
 WINDOWS = ["--max_seq_length", "48", "--doc_stride", "16"]
-PEOPLE = ["John", "Mary", "Peter", "Anna", "David", "Laura", "Michael", "Sarah", "James", "Emma", "Robert", "Linda"]
-CITIES = ["Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "Vienna", "Dublin", "Oslo", "Lisbon", "Cairo"]
-FILLER = ["The weather was mild for most of the year.", "Many people enjoy long walks on the weekend.",
-          "The old bridge was repaired after the storm.", "Most shops close early on Sundays.",
-          "The library has a large collection of old maps.", "Trains run every twenty minutes in the morning.",
-          "Local markets sell fresh fruit and vegetables.", "The museum was very busy during the holidays."]
 
 
 def article(rng, index, answerable):
