@@ -86,7 +86,8 @@ class DataArguments(run_ner.DataArguments):
         names = list(FEATURES) if self.features == "all" else [n.strip() for n in self.features.split(",")]
         unknown = [n for n in names if n not in FEATURES]
         if unknown or not names:
-            raise ValueError(f"--features {self.features!r}: unknown {unknown}; choose all or from {', '.join(FEATURES)}")
+            raise ValueError(f"--features {self.features!r}: unknown {unknown}; choose all or from "
+                             f"{', '.join(FEATURES)}")
         self.feature_names = names
         for name in ("lstm_hidden_size", "lstm_layers"):
             if getattr(self, name) < 1:

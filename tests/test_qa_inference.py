@@ -18,12 +18,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import answer  # noqa: E402
 import run_qa  # noqa: E402
-from qa_utils import tokenize_windows  # noqa: E402
+from qa_utils import choose_answer, nbest_qa_predictions, tokenize_windows  # noqa: E402
+from test_recipe_metrics import EXAMPLES, FEATURES, logits  # noqa: E402
 from test_recipes import CITIES, COMMON, FILLER, PEOPLE  # noqa: E402
 
-pytestmark = pytest.mark.slow  # run_qa.py trains the model the tests ask
-
 WINDOWS = ["--max_seq_length", "48", "--doc_stride", "16"]
+
+
+def test_nbest_counts_a_span_of_two_windows_once_by_hand():
+    # "aa bb cc dd ee ff" in windows [aa bb cc] and [cc dd ee] (tokens 3-5 of each), 3 best starts and ends per window.
+    # Window 1: starts 5, 4 (then 0), ends 5 (then 0, 1): "cc" = 2 + 2 = 4, "bb cc" = 1 + 2 = 3.
+    # Window 2: starts 3 (then 0, 1), ends 3, 0, 4: "cc" = 3 + 3 = 6, "cc dd" = 3 + 1 = 4.
+    starts = [logits(7, t5=2.0, t4=1.0), logits(7, t3=3.0, t0=1.0)]
+    ends = [logits(7, t5=2.0), logits(7, t3=3.0, t4=1.0, t0=1.0)]
+    prediction = nbest_qa_predictions(EXAMPLES, FEATURES, starts, ends, n_best_size=3)["q"]
+    # "cc", in both windows, is listed once with its best score.
+    assert [(s["text"], s["start"], s["end"], s["score"]) for s in prediction["spans"]] == [
+        ("cc", 6, 8, 6.0), ("cc dd", 6, 11, 4.0), ("bb cc", 3, 8, 3.0)]
+    assert prediction["null_score"] == 0.0  # window 1's [CLS] 0 + 0, window 2's 1 + 1: the lowest
+    assert choose_answer(prediction) == (prediction["spans"][0], None)
+    assert choose_answer(prediction, True) == (prediction["spans"][0], -6.0)
+    assert choose_answer(prediction, True, null_score_diff_threshold=-7.0) == (None, -6.0)
+    assert choose_answer({"spans": [], "null_score": 1.0}, True) == (None, float("inf"))
 
 
 def article(rng, index, answerable):
@@ -63,6 +79,7 @@ def read_json(path):
     return json.loads(Path(path).read_text())
 
 
+@pytest.mark.slow  # run_qa.py trains the model
 def test_answers_equal_run_qa_predictions_v2(trained):
     tmp, out, dev, model, tokenizer = trained
     # Every context needs several windows.
@@ -91,6 +108,7 @@ def test_answers_equal_run_qa_predictions_v2(trained):
         assert sum(s["probability"] for s in result["n_best"]) == pytest.approx(1.0)
 
 
+@pytest.mark.slow  # run_qa.py trains the model
 def test_answers_equal_run_qa_predictions_v1_and_the_command(trained, capsys):
     """The same model decoded as SQuAD v1.1 (always a span) by run_qa.py's evaluation alone, by the function, and by
     the command with the context in a file."""
@@ -121,6 +139,7 @@ def test_answers_equal_run_qa_predictions_v1_and_the_command(trained, capsys):
     assert printed[0]["answer"] == read_json(out / "predictions.json")[dev["id"][0]]
 
 
+@pytest.mark.slow  # run_qa.py trains the model
 def test_bad_arguments_are_value_errors(trained):
     _, _, dev, model, tokenizer = trained
     ask = lambda **kw: answer.answer_questions(model, tokenizer, **{"questions": "Who?", "contexts": "Anna.", **kw})
