@@ -1,10 +1,14 @@
-"""SQuAD for `run_qa.py`, in pure Python (no model, tokenizer or array library), so every step is unit-testable.
+"""SQuAD for `run_qa.py` and `answer.py`, in pure Python (no model or array library; the tokenizer is passed in), so
+every step is unit-testable.
 
 - `flatten_squad`: the official nested SQuAD JSON -> one record per question, in the `datasets` layout.
 - `answer_mismatches`: the answers whose answer_start does not point at their text in the context.
+- `tokenize_windows`: (question, context) pairs -> overlapping windows over the context, with offsets into it.
 - `answer_token_span`: the token span of an answer inside one window of a tokenized context (training labels).
-- `postprocess_qa_predictions`: start/end logits of every window -> one answer text per question (n-best decoding,
-  SQuAD v2 no-answer decision).
+- `nbest_qa_predictions`: start/end logits of every window -> the best answer spans of each question, with scores and
+  character offsets, and its null ([CLS]) score.
+- `choose_answer`: a question's answer from those (the SQuAD v2 no-answer decision).
+- `postprocess_qa_predictions`: both, for every question -> one answer text per question.
 - `squad_metrics`: exact match and F1 as the official SQuAD v1.1 / v2.0 evaluation scripts compute them.
 """
 
@@ -70,11 +74,45 @@ def answer_mismatches(records) -> list[tuple[str, str]]:
     return bad
 
 
+def tokenize_windows(tokenizer, questions: list[str], contexts: list[str], max_length: int, doc_stride: int,
+                     max_query_length: int | None = None, padding=False):
+    """Tokenize (question, context) pairs into windows of at most `max_length` tokens: the question, then as much of
+    the context as fits; a longer context gets more windows, consecutive ones sharing `doc_stride` tokens.
+
+    Questions lose their leading whitespace and, given `max_query_length`, are cut to their first that many tokens.
+    Returns the tokenizer's encoding (one row per window), in which "overflow_to_sample_mapping" gives each window's
+    pair and "offset_mapping" holds, per token, (char_start, char_end) into the context, or None for tokens that are
+    not context (question, special tokens, padding): the layout `nbest_qa_predictions` reads.
+    """
+    questions, contexts = [q.lstrip() for q in questions], list(contexts)
+    question_offsets = tokenizer(questions, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if max_query_length is not None:
+        questions = [q[: o[max_query_length - 1][1]] if len(o) > max_query_length else q
+                     for q, o in zip(questions, question_offsets)]
+        question_offsets = [o[:max_query_length] for o in question_offsets]
+    room = max_length - tokenizer.num_special_tokens_to_add(pair=True) - doc_stride  # context tokens past the stride
+    for index, offsets in enumerate(question_offsets):
+        if len(offsets) >= room:
+            raise ValueError(
+                f"question {index} is {len(offsets)} tokens long: with max_seq_length {max_length} and doc_stride "
+                f"{doc_stride}, a question may have at most {room - 1} tokens; raise max_seq_length, lower doc_stride "
+                f"or cut questions with max_query_length"
+            )
+    encoded = tokenizer(
+        questions, contexts, truncation="only_second", max_length=max_length, stride=doc_stride,
+        return_overflowing_tokens=True, return_offsets_mapping=True, padding=padding,
+    )
+    encoded["offset_mapping"] = [[o if s == 1 else None for o, s in zip(offsets, encoded.sequence_ids(i))]
+                                 for i, offsets in enumerate(encoded["offset_mapping"])]
+    return encoded
+
+
 def answer_token_span(offsets, sequence_ids, start_char: int, end_char: int, cls_index: int = 0) -> tuple[int, int]:
     """The (start, end) token indices, both inclusive, of the answer characters [start_char, end_char) of the context
     within one tokenized window, or (cls_index, cls_index) when the answer is not wholly inside the window.
 
-    offsets: (char_start, char_end) per token; sequence_ids: 1 on context tokens (0 question, None special/padding).
+    offsets: (char_start, char_end) per token (None is fine off the context); sequence_ids: 1 on context tokens
+    (0 question, None special/padding).
     """
     context = [i for i, s in enumerate(sequence_ids) if s == 1]
     if not context:
@@ -102,17 +140,15 @@ def _top_indices(values: list, n: int) -> list[int]:
     return heapq.nlargest(n, range(len(values)), key=values.__getitem__)
 
 
-def postprocess_qa_predictions(
+def nbest_qa_predictions(
     examples,
     features,
     all_start_logits,
     all_end_logits,
-    version_2_with_negative: bool = False,
     n_best_size: int = 20,
     max_answer_length: int = 30,
-    null_score_diff_threshold: float = 0.0,
-) -> tuple[dict[str, str], dict[str, float]]:
-    """Turn window-level logits into one answer per question.
+) -> dict[str, dict]:
+    """Turn window-level logits into each question's best answer spans.
 
     examples: records with "id" and "context". features: one per window, in the order of the logits, with
     "example_id" (the id of its question) and "offset_mapping" (per token, (char_start, char_end) into the context,
@@ -121,22 +157,23 @@ def postprocess_qa_predictions(
 
     A candidate is a span (start, end) of context tokens in one window with end >= start and at most
     `max_answer_length` tokens, among the `n_best_size` best starts and ends of that window; its score is
-    start_logit + end_logit. The answer is the text of the best candidate over all windows of the question.
+    start_logit + end_logit. A span of the context found in several (overlapping) windows counts once, with its best
+    score.
 
-    With `version_2_with_negative`, the null score is the lowest [CLS] score (start_logit[0] + end_logit[0]) over the
-    question's windows, and the answer is "" (no answer) when null score - best span score > null_score_diff_threshold.
-
-    Returns (predictions: id -> text, null_odds: id -> null score - best span score, for v2 only: empty for v1).
-    A question without any valid span gets "" and, for v2, odds of +inf.
+    Returns, per question id: {"spans": the `n_best_size` best spans, best first, each {"text", "start", "end",
+    "score"} with the context's characters [start, end), and "null_score": the lowest [CLS] score (start_logit[0] +
+    end_logit[0]) over the question's windows}. Equal scores keep the order in which they were reached (window by
+    window, then by start and end logit).
     """
     features_by_example = collections.defaultdict(list)
     for index, feature in enumerate(features):
         features_by_example[feature["example_id"]].append(index)
 
-    predictions, null_odds = {}, {}
+    results = {}
     for example in examples:
         context = example["context"]
-        best_score, best_text, null_score = -math.inf, "", math.inf
+        best = {}  # (char_start, char_end) -> (score, order in which that score was reached)
+        null_score, reached = math.inf, 0
         for index in features_by_example[example["id"]]:
             offsets = features[index]["offset_mapping"]
             start_logits = _as_list(all_start_logits[index])[: len(offsets)]
@@ -149,13 +186,58 @@ def postprocess_qa_predictions(
                     if end < start or end - start + 1 > max_answer_length:
                         continue
                     score = start_logits[start] + end_logits[end]
-                    if score > best_score:
-                        best_score, best_text = score, context[offsets[start][0] : offsets[end][1]]
+                    span = (offsets[start][0], offsets[end][1])
+                    if span not in best or score > best[span][0]:
+                        best[span] = (score, reached)
+                    reached += 1
+        ranked = sorted(best.items(), key=lambda item: (-item[1][0], item[1][1]))[:n_best_size]
+        results[example["id"]] = {
+            "spans": [{"text": context[s:e], "start": s, "end": e, "score": score} for (s, e), (score, _) in ranked],
+            "null_score": null_score,
+        }
+    return results
+
+
+def choose_answer(prediction: dict, version_2_with_negative: bool = False,
+                  null_score_diff_threshold: float = 0.0) -> tuple[dict | None, float | None]:
+    """A question's answer from its `nbest_qa_predictions` entry: (the best span, or None for no answer; null odds).
+
+    Null odds are null score - best span score (+inf without any span), for v2 only (None for v1). With
+    `version_2_with_negative` the answer is None when they exceed `null_score_diff_threshold`; else it is the best
+    span (None only when there is no valid span).
+    """
+    spans = prediction["spans"]
+    best = spans[0] if spans else None
+    if not version_2_with_negative:
+        return best, None
+    odds = prediction["null_score"] - (best["score"] if best else -math.inf)
+    return (None if odds > null_score_diff_threshold else best), odds
+
+
+def postprocess_qa_predictions(
+    examples,
+    features,
+    all_start_logits,
+    all_end_logits,
+    version_2_with_negative: bool = False,
+    n_best_size: int = 20,
+    max_answer_length: int = 30,
+    null_score_diff_threshold: float = 0.0,
+) -> tuple[dict[str, str], dict[str, float]]:
+    """Turn window-level logits into one answer per question: the text of `nbest_qa_predictions`' best span (same
+    arguments), or "" when `choose_answer` decides for no answer (SQuAD v2: the null score, the lowest [CLS] score
+    over the question's windows, beats the best span's by more than `null_score_diff_threshold`).
+
+    Returns (predictions: id -> text, null_odds: id -> null score - best span score, for v2 only: empty for v1).
+    A question without any valid span gets "" and, for v2, odds of +inf.
+    """
+    nbest = nbest_qa_predictions(examples, features, all_start_logits, all_end_logits, n_best_size, max_answer_length)
+    predictions, null_odds = {}, {}
+    for qid, prediction in nbest.items():
+        answer, odds = choose_answer(prediction, version_2_with_negative, null_score_diff_threshold)
+        predictions[qid] = answer["text"] if answer else ""
         if version_2_with_negative:
-            null_odds[example["id"]] = null_score - best_score
-            predictions[example["id"]] = "" if null_score - best_score > null_score_diff_threshold else best_text
-        else:
-            predictions[example["id"]] = best_text
+            null_odds[qid] = odds
     return predictions, null_odds
 
 

@@ -100,6 +100,22 @@ def check_sentences(raw, files: dict[str, str], words: str, tags: str) -> None:
                          "empty item)", "Give each word its tag.")
 
 
+def align_labels(word_ids: list, tag_ids: list[int], continuation: list[int] | None = None) -> list[int]:
+    """One label per sub-token of a tokenized sentence: its word's tag id on the word's first sub-token, -100 (ignored)
+    on special tokens and padding (word id None) and on the word's other sub-tokens, or, given `continuation` (tag id
+    -> the id to train continuations on, B-X -> I-X), that id of the word's tag."""
+    row, previous = [], None
+    for word in word_ids:
+        if word is None:
+            row.append(-100)
+        elif word != previous:
+            row.append(tag_ids[word])
+        else:
+            row.append(continuation[tag_ids[word]] if continuation else -100)
+        previous = word
+    return row
+
+
 def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(DataArguments, argv)
@@ -152,16 +168,7 @@ def main(argv: list[str] | None = None) -> Trainer:
         encoded["labels"] = []
         for i, sentence_tags in enumerate(batch[tags]):
             ids = sentence_tags if by_id else [tag_to_id[str(t)] for t in sentence_tags]
-            row, previous = [], None
-            for word in encoded.word_ids(i):
-                if word is None:
-                    row.append(-100)
-                elif word != previous:
-                    row.append(ids[word])
-                else:
-                    row.append(b_to_i[ids[word]] if label_all_tokens else -100)
-                previous = word
-            encoded["labels"].append(row)
+            encoded["labels"].append(align_labels(encoded.word_ids(i), ids, b_to_i if label_all_tokens else None))
         return encoded
 
     def prepare(split, n, label_all_tokens=False):

@@ -33,7 +33,9 @@ from transformers import DataCollatorWithPadding, Trainer, default_data_collator
 
 import common
 from modeling_bert_impl import BertImplForQuestionAnswering
-from qa_utils import answer_mismatches, answer_token_span, flatten_squad, postprocess_qa_predictions, squad_metrics
+from qa_utils import (
+    answer_mismatches, answer_token_span, flatten_squad, postprocess_qa_predictions, squad_metrics, tokenize_windows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,11 +178,8 @@ def main(argv: list[str] | None = None) -> Trainer:
     def windows(batch):
         """Tokenize (question, context) pairs into overlapping windows over the context. Each window gets the answer's
         token span (or [CLS] = 0), its question's id, and offsets into the context (None off the context)."""
-        encoded = tokenizer(
-            [q.lstrip() for q in batch["question"]], batch["context"], truncation="only_second",
-            max_length=max_length, stride=data_args.doc_stride, return_overflowing_tokens=True,
-            return_offsets_mapping=True, padding="max_length" if data_args.pad_to_max_length else False,
-        )
+        encoded = tokenize_windows(tokenizer, batch["question"], batch["context"], max_length, data_args.doc_stride,
+                                   padding="max_length" if data_args.pad_to_max_length else False)
         example_of = encoded.pop("overflow_to_sample_mapping")
         encoded.update(start_positions=[], end_positions=[], example_id=[])
         for i, offsets in enumerate(encoded["offset_mapping"]):
@@ -194,7 +193,6 @@ def main(argv: list[str] | None = None) -> Trainer:
             encoded["start_positions"].append(start)
             encoded["end_positions"].append(end)
             encoded["example_id"].append(batch["id"][example_of[i]])
-            encoded["offset_mapping"][i] = [o if s == 1 else None for o, s in zip(offsets, sequence_ids)]
         return encoded
 
     def prepare(split, n):
