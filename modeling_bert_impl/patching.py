@@ -179,7 +179,3 @@ def revert_bert_impl() -> None:
     from .peft_support import extend_stock_bert_defaults
 
     extend_stock_bert_defaults(False)
-
-
-def is_bert_impl_applied() -> bool:
-    return bool(_saved)

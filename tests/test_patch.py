@@ -130,3 +130,28 @@ def test_our_folders_and_what_we_do_not_implement_are_unaffected(tmp_path, patch
     assert isinstance(AutoModel.from_config(BertConfig(**SMALL)), bi.BertImplModel)
     bi.revert_bert_impl()
     assert type(AutoModel.from_config(BertConfig(**SMALL))) is transformers.BertModel
+
+
+def test_sentence_transformers_folder_of_ours(minilm_dir, tmp_path, run_without_package):
+    """The README's recipe: a sentence-transformers folder whose encoder is bert-impl, loaded with the package
+    (our class) and without it (trust_remote_code), with the stock model's embeddings."""
+    from sentence_transformers import SentenceTransformer
+
+    encoder = SentenceTransformer(minilm_dir, device="cpu")
+    expected = encoder.encode(SENTENCES, convert_to_tensor=True)
+    encoder[0].model = bi.BertImplModel.from_pretrained(minilm_dir)
+    encoder.save(str(tmp_path / "st-bert-impl"))
+    assert json.loads((tmp_path / "st-bert-impl" / "config.json").read_text())["model_type"] == "bert_impl"
+
+    ours = SentenceTransformer(str(tmp_path / "st-bert-impl"), device="cpu")
+    assert type(ours[0].auto_model) is bi.BertImplModel
+    assert max_diff(ours.encode(SENTENCES, convert_to_tensor=True), expected) < TOL
+    got = run_without_package(f"""
+        import json
+        from sentence_transformers import SentenceTransformer
+        model = SentenceTransformer({str(tmp_path / "st-bert-impl")!r}, device="cpu", trust_remote_code=True)
+        print(json.dumps({{"module": type(model[0].auto_model).__module__,
+                          "embeddings": model.encode({SENTENCES!r}).tolist()}}))
+    """)
+    assert got["module"].startswith("transformers_modules.")
+    assert max_diff(got["embeddings"], expected) < TOL
