@@ -11,7 +11,8 @@ Corpus: the paragraphs of the Python language and library reference topics that 
 Both encoders are built from the same stock folder, one before and one during the patch (the patch is reverted at
 once; a model keeps its class). Passes alternate stock / patched over the whole corpus with sentence-transformers'
 defaults (batch 32, texts sorted by length, so batches carry little padding); figures are medians of `--repeats`
-passes after one warm-up pass each. Also printed: the largest difference between the two models' embeddings, and
+passes after one warm-up pass each, and the median of the per-pair ratios (a stock pass and the patched pass
+after it see about the same load on a shared machine). Also printed: the largest difference between the two models' embeddings, and
 `/proc/loadavg` before and after (the machine may be shared).
 """
 
@@ -94,7 +95,10 @@ def main():
         spread = ", ".join(f"{t:.2f}" for t in times[name])
         print(f"{name:8s} median {median[name]:.2f} s ({len(texts) / median[name]:,.0f} texts/s, "
               f"{sum(lengths) / median[name]:,.0f} tokens/s); passes: {spread}")
-    print(f"patched / stock throughput: {median['stock'] / median['patched']:.2f}x")
+    pairs = [s / p for s, p in zip(times["stock"], times["patched"])]  # each pair ran back to back, under one load
+    print(f"patched / stock throughput: {median['stock'] / median['patched']:.2f}x (ratio of medians), "
+          f"{statistics.median(pairs):.2f}x (median of the {len(pairs)} pairs' ratios: "
+          f"{', '.join(f'{r:.2f}' for r in pairs)})")
     print(f"loadavg after: {loadavg()}")
 
 

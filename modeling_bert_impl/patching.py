@@ -28,6 +28,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.utils import logging
 
 from .modeling_bert_impl import AUTO_CLASSES, STOCK_QKV, STOCK_TO_OURS, checkpoint_conversion
+from .peft_support import convert_stock_adapters_on_load, extend_stock_bert_defaults
 
 logger = logging.get_logger(__name__)
 
@@ -158,14 +159,14 @@ def _auto_classes_with_our_heads():
 def apply_bert_impl() -> None:
     """Make transformers' Auto classes (and so pipelines, sentence-transformers, PEFT) build bert-impl for stock BERT
     checkpoints, with the same outputs. Idempotent; `revert_bert_impl()` undoes it. Models saved afterwards are in
-    the stock format. With peft installed, its default `target_modules` for "bert" gain our module names."""
+    the stock format. With peft installed, its default `target_modules` for "bert" gain our module names, and
+    `PeftModel.from_pretrained` converts LoRA adapters trained on stock BERT for our models (`convert_stock_lora`)."""
     for auto, cls in _auto_classes_with_our_heads():
         if auto not in _saved:
             _saved[auto] = auto._model_mapping._extra_content.get(BertConfig)
         auto.register(BertConfig, cls, exist_ok=True)
-    from .peft_support import extend_stock_bert_defaults
-
     extend_stock_bert_defaults(True)
+    convert_stock_adapters_on_load(True)
 
 
 def revert_bert_impl() -> None:
@@ -176,6 +177,5 @@ def revert_bert_impl() -> None:
         else:
             auto._model_mapping._extra_content[BertConfig] = previous
     _saved.clear()
-    from .peft_support import extend_stock_bert_defaults
-
     extend_stock_bert_defaults(False)
+    convert_stock_adapters_on_load(False)

@@ -6,16 +6,18 @@
   work without `target_modules`. Registered when this package is imported, if peft is installed (it adds about
   0.16 s to the package's 4-5 s import: measured with `python -X importtime`).
 - `convert_stock_lora`: a LoRA adapter trained on transformers' BERT (typically `target_modules=["query", "value"]`)
-  rewritten for our fused `qkv`, with the same outputs.
+  rewritten for our fused `qkv`, with the same outputs. While `apply_bert_impl()` is in effect this happens on load:
+  `PeftModel.from_pretrained` (and so `AutoPeftModelFor...`) converts such an adapter when the model is ours.
 """
 
 import copy
 import os
+import tempfile
 from collections import Counter
 
 import torch
 
-from .modeling_bert_impl import STOCK_QKV, STOCK_TO_OURS
+from .modeling_bert_impl import STOCK_QKV, STOCK_TO_OURS, BertImplPreTrainedModel
 
 # A stock BERT module name as peft's tables spell it -> ours (suffixes of module paths).
 STOCK_TO_OUR_MODULES = {"query": ["qkv"], "key": ["qkv"], "value": ["qkv"], "output.dense": ["attn.out", "ffn.down"]}
@@ -66,6 +68,59 @@ def extend_stock_bert_defaults(extend: bool) -> None:
         _stock_bert_defaults.clear()
 
 
+_peft_from_pretrained = None  # PeftModel.from_pretrained as peft defines it, while ours replaces it
+
+
+def _is_stock_lora_for(model, config) -> bool:
+    """A LoRA config naming stock BERT's query/key/value, to be loaded on one of our models."""
+    targets = getattr(config, "target_modules", None)
+    return (
+        isinstance(model, BertImplPreTrainedModel)
+        and getattr(config, "peft_type", None) == "LORA"
+        and isinstance(targets, (list, set))
+        and any(t.split(".")[-1] in ("query", "key", "value") for t in targets)
+    )
+
+
+def _from_pretrained_converting(cls, model, model_id, *args, config=None, **kwargs):
+    """PeftModel.from_pretrained, with a stock BERT LoRA adapter converted for our model on the way."""
+    from peft import PeftConfig
+
+    original = _peft_from_pretrained.__func__
+    peft_config = config
+    if peft_config is None and kwargs.get("subfolder") is None:
+        peft_config = PeftConfig.from_pretrained(str(model_id), revision=kwargs.get("revision"))
+    if not _is_stock_lora_for(model, peft_config):
+        return original(cls, model, model_id, *args, config=config, **kwargs)
+    with tempfile.TemporaryDirectory() as converted:  # the weights are read into the model before it is removed
+        folder = model_id if os.path.isdir(model_id) else _download(str(model_id), kwargs.get("revision"))
+        convert_stock_lora(folder, converted)
+        kwargs.pop("revision", None)
+        return original(cls, model, converted, *args, **kwargs)
+
+
+def _download(repo_id: str, revision: str | None) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo_id, revision=revision)
+
+
+def convert_stock_adapters_on_load(enable: bool) -> None:
+    """Replace (True) or restore (False) `PeftModel.from_pretrained` by one that converts stock BERT LoRA adapters
+    for our models (`apply_bert_impl()` / `revert_bert_impl()` call this). Nothing without peft."""
+    global _peft_from_pretrained
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return
+    if enable and _peft_from_pretrained is None:
+        _peft_from_pretrained = PeftModel.__dict__["from_pretrained"]
+        PeftModel.from_pretrained = classmethod(_from_pretrained_converting)
+    elif not enable and _peft_from_pretrained is not None:
+        PeftModel.from_pretrained = _peft_from_pretrained
+        _peft_from_pretrained = None
+
+
 def _our_module_path(stock_path: str) -> tuple[str, int | None]:
     """A module path in a stock BERT model -> (its path in ours, None), or (the fused qkv's path, 0|1|2) for
     query/key/value."""
@@ -87,12 +142,11 @@ def convert_stock_lora(adapter: str | os.PathLike, output_dir: str | os.PathLike
     / sqrt(r) with rsLoRA, per-module `alpha_pattern` included) is folded into its B, so every converted module has
     scaling 1 (lora_alpha = r). Other targeted modules and `modules_to_save` are renamed only. Modules are named
     by full path in the new config. DoRA, LoRA bias and `target_parameters` adapters are refused."""
-    from huggingface_hub import snapshot_download
     from peft import LoraConfig, PeftConfig
     from peft.utils.other import get_pattern_key
     from safetensors.torch import load_file, save_file
 
-    folder = str(adapter) if os.path.isdir(adapter) else snapshot_download(str(adapter))
+    folder = str(adapter) if os.path.isdir(adapter) else _download(str(adapter), None)
     config = PeftConfig.from_pretrained(folder)
     if not isinstance(config, LoraConfig):
         raise ValueError(f"{adapter}: only LoRA adapters can be converted, this one is {config.peft_type}")

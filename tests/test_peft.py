@@ -132,6 +132,17 @@ def test_stock_adapter_converted_onto_our_qkv_gives_the_same_logits(stock_dir, t
     assert {n.split(".")[-1] for n in converted.base_model.targeted_module_names} == targets
     assert (logits(converted.merge_and_unload(), inputs) - expected).abs().max() < TOL
 
+    # Once patched, loading converts by itself: AutoPeftModel builds our class for the stock base folder.
+    peft_from_pretrained = PeftModel.__dict__["from_pretrained"]
+    bi.apply_bert_impl()
+    try:
+        auto = AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "stock-adapter")
+    finally:
+        bi.revert_bert_impl()
+    assert isinstance(auto.get_base_model(), bi.BertImplForSequenceClassification)
+    assert (logits(auto, inputs) - expected).abs().max() < TOL
+    assert PeftModel.__dict__["from_pretrained"] is peft_from_pretrained  # undone by revert_bert_impl()
+
 
 def test_conversion_refuses_what_is_not_a_lora(stock_dir, tmp_path):
     get_peft_model(transformers.BertForSequenceClassification.from_pretrained(stock_dir),
