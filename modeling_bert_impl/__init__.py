@@ -36,6 +36,10 @@ _register()
 from tokenization import BertImplTokenizer  # noqa: E402
 
 from .model_card import write_model_card  # noqa: E402
+from .patching import apply_bert_impl, revert_bert_impl  # noqa: E402
+from .peft_support import convert_stock_lora, register_peft_defaults  # noqa: E402
+
+register_peft_defaults()  # peft's default target_modules for "bert_impl" (nothing without peft)
 
 __all__ = [
     "PRESETS",
@@ -52,4 +56,7 @@ __all__ = [
     "BertImplForMultipleChoice",
     "BertImplTokenizer",
     "write_model_card",
+    "apply_bert_impl",
+    "revert_bert_impl",
+    "convert_stock_lora",
 ]

@@ -426,7 +426,9 @@ def test_pull_over_http_from_a_hub_mirror(pushed, run_without_package, tmp_path)
     Python without bert-impl pulls the model by repo id over HTTP (HF_ENDPOINT), main and a pinned revision.
 
     Model only: for a file missing from a local repository olah answers 401 where the Hub answers 404, and
-    AutoTokenizer asks for optional files (added_tokens.json, ...) that a 401 turns into an error."""
+    AutoTokenizer asks for optional files (added_tokens.json, ...) that a 401 turns into an error. For the same
+    reason the user has no peft either (it is in our dev extra): with peft importable, from_pretrained also asks for
+    adapter_config.json."""
     hub = pushed["hub"]
     mirror = tmp_path / "mirrors" / "models" / "org" / "versions"
     git = lambda *args: subprocess.run(["git", "-C", str(mirror), *args], check=True, capture_output=True, text=True)
@@ -465,7 +467,10 @@ def test_pull_over_http_from_a_hub_mirror(pushed, run_without_package, tmp_path)
                 assert server.poll() is None and time.monotonic() < deadline, "olah did not start"
                 time.sleep(0.2)
         got = run_without_package(f"""
+            import sys
+            sys.modules["peft"] = None  # not installed, as far as transformers' import checks can tell
             import json, torch, transformers
+            assert not transformers.utils.is_peft_available()
             result = {{}}
             for name, revision in (("main", None), ("v1", {v1!r})):
                 kw = {{"revision": revision}} if revision else {{}}

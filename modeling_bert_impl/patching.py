@@ -1,0 +1,181 @@
+"""One call that makes existing BERT code run bert-impl: `apply_bert_impl()` (and `revert_bert_impl()` to undo).
+
+The way Liger Kernel's `apply_liger_kernel_to_*` patches transformers, but at the Auto classes: after the call,
+`AutoModel`, `AutoModelForSequenceClassification` and every other Auto class with a bert-impl head (so also
+`pipeline(...)`, sentence-transformers and PEFT, which load through them) build our classes for stock `bert`
+checkpoints. `AutoModelForCausalLM` (BERT as a decoder) keeps transformers' class.
+
+What such a model is:
+- our class (`isinstance(model, BertImplForSequenceClassification)`), carrying the stock `BertConfig` it was given
+  (model_type "bert"), to which two fields of ours are added when absent: `unpad_inputs=True` (the padding-free
+  encoder) and `sparse_prediction=False` (stock BERT's output contract: full (B, T, V) MLM logits with labels);
+- saved in the stock format: `save_pretrained` / `push_to_hub` write stock key names, `architectures` naming the
+  stock class, no fields, code files or `auto_map` of ours, so the folder still loads in plain transformers;
+- a stock config that bert-impl does not implement (`is_decoder`, cross-attention, relative position embeddings)
+  still gets transformers' class.
+
+Our own `bert_impl` folders are untouched by the call (they load into our classes either way).
+"""
+
+import json
+import os
+
+import torch
+from transformers import BertConfig, PreTrainedModel
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.models.auto import modeling_auto
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
+from transformers.utils import logging
+
+from .modeling_bert_impl import AUTO_CLASSES, STOCK_QKV, STOCK_TO_OURS, checkpoint_conversion
+from .peft_support import convert_stock_adapters_on_load, extend_stock_bert_defaults
+
+logger = logging.get_logger(__name__)
+
+# Our config fields, for a model built from a stock BertConfig (which has neither).
+STOCK_CONFIG_DEFAULTS = {"unpad_inputs": True, "sparse_prediction": False}
+
+
+def implements(config) -> bool:
+    """Whether bert-impl computes what this stock BertConfig describes (a bidirectional encoder, absolute positions)."""
+    return (
+        not getattr(config, "is_decoder", False)
+        and not getattr(config, "add_cross_attention", False)
+        and getattr(config, "position_embedding_type", "absolute") == "absolute"
+    )
+
+
+def stock_to_our_names(state_dict: dict) -> dict:
+    """A state dict under stock BERT key names -> the same tensors under ours (`STOCK_TO_OURS`, then query/key/value
+    concatenated into `attn.qkv`); keys already ours pass through. What transformers' loader does, for callers that
+    load a state dict themselves (Trainer's best-model and resume)."""
+    out, qkv = {}, {}
+    for key, value in state_dict.items():
+        for source, target in STOCK_TO_OURS:
+            key = key.replace(source, target)
+        part = next((i for i, name in enumerate(STOCK_QKV) if f".{name}." in f".{key}"), None)
+        if part is None:
+            out.setdefault(key, value)  # the stock MLM bias is also stored as the decoder's: keep the first
+        else:
+            qkv.setdefault(key.replace(STOCK_QKV[part], "attn.qkv"), {})[part] = value
+    for key, parts in qkv.items():
+        if sorted(parts) != [0, 1, 2]:
+            raise ValueError(f"{key}: the state dict has only some of query/key/value ({sorted(parts)})")
+        out[key] = torch.cat([parts[i] for i in range(3)])
+    return out
+
+
+def _write_stock_config(folder: str, stock_name: str) -> None:
+    """config.json in `folder` as plain transformers writes it for `stock_name`: no fields of ours."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        config = json.load(f)
+    for key in (*STOCK_CONFIG_DEFAULTS, "auto_map"):
+        config.pop(key, None)
+    config["architectures"] = [stock_name]
+    with open(path, "w") as f:
+        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+class _OnStockConfig:
+    """Mixed into each of our heads: the class Auto classes build for a stock BertConfig once patched."""
+
+    config_class = BertConfig
+    _auto_class = None  # no code files, no auto_map in saved folders
+    stock_name: str  # transformers' class of the same head, e.g. "BertForSequenceClassification"
+
+    def __init__(self, config, *args, **kwargs):
+        for field, default in STOCK_CONFIG_DEFAULTS.items():
+            if not hasattr(config, field):
+                setattr(config, field, default)
+        super().__init__(config, *args, **kwargs)
+
+    @classmethod
+    def _stock_class(cls):
+        import transformers
+
+        return getattr(transformers, cls.stock_name)
+
+    @classmethod
+    def from_pretrained(cls, *args, config=None, **kwargs):
+        if config is not None and not implements(config):
+            logger.info(f"bert-impl does not implement this BERT config; loading transformers' {cls.stock_name}")
+            return cls._stock_class().from_pretrained(*args, config=config, **kwargs)
+        return super().from_pretrained(*args, config=config, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        if not implements(config):
+            return cls._stock_class()._from_config(config, **kwargs)
+        return super()._from_config(config, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """The stock format, always: stock key names and config (see the module docstring)."""
+        kwargs["save_original_format"] = True
+        PreTrainedModel.save_pretrained(self, save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            _write_stock_config(str(save_directory), self.stock_name)
+
+    def _upload_modified_files(self, working_dir, *args, **kwargs):
+        # push_to_hub uploads from inside save_pretrained: fix the config first; transformers' card, not ours.
+        _write_stock_config(str(working_dir), self.stock_name)
+        return PreTrainedModel._upload_modified_files(self, working_dir, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        """Accepts stock key names too: Trainer reloads the (stock-format) checkpoints it saved this way."""
+        return super().load_state_dict(stock_to_our_names(state_dict), *args, **kwargs)
+
+
+def _on_stock_config(ours: type) -> type:
+    name = f"{ours.__name__}OnBertConfig"
+    stock_name = ours.__name__.replace("BertImpl", "Bert", 1)
+    cls = type(name, (_OnStockConfig, ours), {"stock_name": stock_name, "__module__": __name__, "__qualname__": name})
+    # Load stock keys into our names (and save them back) for this class as for model_type "bert_impl".
+    register_checkpoint_conversion_mapping(name, checkpoint_conversion(), overwrite=True)
+    return cls
+
+
+# stock class name -> the class patched Auto classes build for it
+ON_STOCK_CONFIG = {}
+for _ours in AUTO_CLASSES.values():
+    _cls = _on_stock_config(_ours)
+    globals()[_cls.__name__] = _cls  # importable by name, so that models pickle
+    ON_STOCK_CONFIG[_cls.stock_name] = _cls
+
+_saved: dict = {}  # Auto class -> what its mapping held for BertConfig before the call (None: nothing)
+
+
+def _auto_classes_with_our_heads():
+    """(Auto class, our class) for every transformers Auto class whose "bert" entry has a bert-impl equivalent."""
+    for auto in vars(modeling_auto).values():
+        if isinstance(auto, type) and issubclass(auto, _BaseAutoModelClass) and auto._model_mapping is not None:
+            stock = auto._model_mapping._model_mapping.get("bert")
+            if stock in ON_STOCK_CONFIG:
+                yield auto, ON_STOCK_CONFIG[stock]
+
+
+def apply_bert_impl() -> None:
+    """Make transformers' Auto classes (and so pipelines, sentence-transformers, PEFT) build bert-impl for stock BERT
+    checkpoints, with the same outputs. Idempotent; `revert_bert_impl()` undoes it. Models saved afterwards are in
+    the stock format. With peft installed, its default `target_modules` for "bert" gain our module names, and
+    `PeftModel.from_pretrained` converts LoRA adapters trained on stock BERT for our models (`convert_stock_lora`)."""
+    for auto, cls in _auto_classes_with_our_heads():
+        if auto not in _saved:
+            _saved[auto] = auto._model_mapping._extra_content.get(BertConfig)
+        auto.register(BertConfig, cls, exist_ok=True)
+    extend_stock_bert_defaults(True)
+    convert_stock_adapters_on_load(True)
+
+
+def revert_bert_impl() -> None:
+    """Undo `apply_bert_impl()`: Auto classes build transformers' BERT again. Models loaded meanwhile stay ours."""
+    for auto, previous in _saved.items():
+        if previous is None:
+            auto._model_mapping._extra_content.pop(BertConfig, None)
+        else:
+            auto._model_mapping._extra_content[BertConfig] = previous
+    _saved.clear()
+    extend_stock_bert_defaults(False)
+    convert_stock_adapters_on_load(False)

@@ -1,0 +1,157 @@
+"""`apply_bert_impl()`: transformers' Auto classes (and so pipelines, sentence-transformers) build our classes for
+stock BERT checkpoints, with transformers' outputs; `revert_bert_impl()` gives transformers' classes back; folders
+saved meanwhile are stock folders. References: transformers' own BERT on the same weights, in the same process."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig
+
+import modeling_bert_impl as bi
+
+TOL = 1e-5
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "BERT reads text in both directions, which is what makes it a good encoder for retrieval.",
+    "Short one.",
+]
+SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+             max_position_embeddings=64)
+
+
+@pytest.fixture
+def patched():
+    bi.apply_bert_impl()
+    try:
+        yield
+    finally:
+        bi.revert_bert_impl()
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(minilm_dir, tmp_path_factory):
+    """A stock BertForSequenceClassification folder (MiniLM encoder, a seeded random classifier) with its tokenizer."""
+    folder = tmp_path_factory.mktemp("stock-classifier")
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification.from_pretrained(minilm_dir, num_labels=3).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(folder)
+    return str(folder)
+
+
+def max_diff(a, b) -> float:
+    return (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
+
+
+def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(minilm_dir, classifier_dir):
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+
+    def run():
+        extractor = transformers.pipeline("feature-extraction", model=minilm_dir, device="cpu")
+        encoder = SentenceTransformer(minilm_dir, device="cpu")
+        classifier = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
+        cross = CrossEncoder(classifier_dir, device="cpu")
+        with torch.no_grad():
+            outputs = {
+                "features": [torch.tensor(f[0]) for f in extractor(SENTENCES)],  # (T_i, H) each, no padding
+                "embeddings": encoder.encode(SENTENCES, convert_to_tensor=True),
+                "logits": classifier(**batch).logits,
+                "cross": cross.predict([(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[0])], convert_to_tensor=True),
+            }
+        models = [extractor.model, encoder[0].auto_model, classifier, cross.model]
+        return outputs, models
+
+    bi.apply_bert_impl()
+    try:
+        ours, our_models = run()
+    finally:
+        bi.revert_bert_impl()
+    stock, stock_models = run()
+
+    for model in our_models:
+        assert isinstance(model, bi.BertImplPreTrainedModel), type(model)
+        assert type(model.config) is BertConfig and model.config.model_type == "bert"
+    for model in stock_models:
+        assert type(model).__module__.startswith("transformers.models.bert."), type(model)
+    diffs = {
+        "features": max(max_diff(a, b) for a, b in zip(ours["features"], stock["features"])),
+        **{key: max_diff(ours[key], stock[key]) for key in ("embeddings", "logits", "cross")},
+    }
+    print("patched vs stock, max |diff|:", {k: f"{v:.1e}" for k, v in diffs.items()})
+    assert all(diff < TOL for diff in diffs.values()), diffs
+
+
+def test_folder_saved_after_the_call_is_the_stock_folder(classifier_dir, tmp_path, patched):
+    model = AutoModelForSequenceClassification.from_pretrained(classifier_dir)
+    assert isinstance(model, bi.BertImplForSequenceClassification)
+    model.save_pretrained(tmp_path / "patched")
+    transformers.BertForSequenceClassification.from_pretrained(classifier_dir).save_pretrained(tmp_path / "stock")
+
+    read = lambda name: json.loads((tmp_path / name / "config.json").read_text())
+    assert read("patched") == read("stock")  # model_type "bert", architectures, no field of ours
+    assert sorted(p.name for p in (tmp_path / "patched").iterdir()) == ["config.json", "model.safetensors"]
+    patched_weights, stock_weights = (load_file(tmp_path / name / "model.safetensors") for name in ("patched", "stock"))
+    assert patched_weights.keys() == stock_weights.keys()
+    assert all(torch.equal(patched_weights[k], stock_weights[k]) for k in stock_weights)
+
+    # Trainer reloads its (stock-format) checkpoints with load_state_dict: stock names are accepted.
+    result = model.load_state_dict(stock_weights, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys, result
+
+
+def test_masked_lm_keeps_the_stock_output_contract(tmp_path, patched):
+    torch.manual_seed(0)
+    stock = transformers.BertForMaskedLM(BertConfig(**SMALL)).eval()
+    stock.save_pretrained(tmp_path)
+    ours = AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    assert isinstance(ours, bi.BertImplForMaskedLM)
+    input_ids = torch.randint(1, 99, (2, 7))
+    attention_mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    labels = torch.full((2, 7), -100)
+    labels[:, 2] = 5
+    with torch.no_grad():
+        expected, got = (m(input_ids, attention_mask=attention_mask, labels=labels) for m in (stock, ours))
+    assert got.logits.shape == expected.logits.shape == (2, 7, 99)  # full logits, as stock BERT (no sparse rows)
+    real = attention_mask.bool()
+    assert max_diff(got.logits[real], expected.logits[real]) < TOL and max_diff(got.loss, expected.loss) < TOL
+
+
+def test_our_folders_and_what_we_do_not_implement_are_unaffected(tmp_path, patched):
+    ours = bi.BertImplModel(bi.BertImplConfig(**SMALL))
+    ours.save_pretrained(tmp_path / "ours")
+    assert type(AutoModel.from_pretrained(tmp_path / "ours")) is bi.BertImplModel
+    # A decoder config stays transformers' (bert-impl is a bidirectional encoder only).
+    assert type(AutoModel.from_config(BertConfig(**SMALL, is_decoder=True))) is transformers.BertModel
+    assert isinstance(AutoModel.from_config(BertConfig(**SMALL)), bi.BertImplModel)
+    bi.revert_bert_impl()
+    assert type(AutoModel.from_config(BertConfig(**SMALL))) is transformers.BertModel
+
+
+def test_sentence_transformers_folder_of_ours(minilm_dir, tmp_path, run_without_package):
+    """The README's recipe: a sentence-transformers folder whose encoder is bert-impl, loaded with the package
+    (our class) and without it (trust_remote_code), with the stock model's embeddings."""
+    from sentence_transformers import SentenceTransformer
+
+    encoder = SentenceTransformer(minilm_dir, device="cpu")
+    expected = encoder.encode(SENTENCES, convert_to_tensor=True)
+    encoder[0].model = bi.BertImplModel.from_pretrained(minilm_dir)
+    encoder.save(str(tmp_path / "st-bert-impl"))
+    assert json.loads((tmp_path / "st-bert-impl" / "config.json").read_text())["model_type"] == "bert_impl"
+
+    ours = SentenceTransformer(str(tmp_path / "st-bert-impl"), device="cpu")
+    assert type(ours[0].auto_model) is bi.BertImplModel
+    assert max_diff(ours.encode(SENTENCES, convert_to_tensor=True), expected) < TOL
+    got = run_without_package(f"""
+        import json
+        from sentence_transformers import SentenceTransformer
+        model = SentenceTransformer({str(tmp_path / "st-bert-impl")!r}, device="cpu", trust_remote_code=True)
+        print(json.dumps({{"module": type(model[0].auto_model).__module__,
+                          "embeddings": model.encode({SENTENCES!r}).tolist()}}))
+    """)
+    assert got["module"].startswith("transformers_modules.")
+    assert max_diff(got["embeddings"], expected) < TOL

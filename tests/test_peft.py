@@ -1,0 +1,151 @@
+"""PEFT on bert-impl as on stock BERT: default target modules, Trainer + LoRA with save / reload / merge, stock-BERT
+adapters converted onto our fused qkv, and AutoPeftModel over a stock base. Small random BERTs written by
+transformers' BertForSequenceClassification (the mechanics do not depend on size); references are transformers' BERT
+with the same adapter, or our model before saving."""
+
+import pytest
+import torch
+import transformers
+from transformers import BertConfig, Trainer, TrainingArguments
+
+import modeling_bert_impl as bi
+
+peft = pytest.importorskip("peft")
+from peft import AutoPeftModelForSequenceClassification, IA3Config, LoHaConfig, LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+TOL = 1e-5
+SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+             max_position_embeddings=64, num_labels=2)
+
+
+@pytest.fixture(scope="module")
+def stock_dir(tmp_path_factory):
+    """A stock BertForSequenceClassification folder (random, seeded)."""
+    folder = tmp_path_factory.mktemp("stock-bert")
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(BertConfig(**SMALL)).save_pretrained(folder)
+    return str(folder)
+
+
+def batch(seed: int = 1, size: int = 6, T: int = 12) -> dict:
+    """Token ids with right padding of varied lengths; label 1 when token 7 occurs (something LoRA can learn)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(8, 99, (size, T), generator=g)
+    lengths = torch.randint(3, T + 1, (size,), generator=g)
+    attention_mask = (torch.arange(T) < lengths[:, None]).long()
+    input_ids[::2, 1] = 7
+    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask,
+            "labels": (input_ids == 7).any(-1).long()}
+
+
+def logits(model, inputs) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+
+
+def ours(stock_dir):
+    return bi.BertImplForSequenceClassification.from_pretrained(stock_dir)
+
+
+@pytest.mark.parametrize("config, expected", [
+    (LoraConfig(task_type="SEQ_CLS"), {"attn.qkv"}),
+    (LoHaConfig(task_type="SEQ_CLS"), {"attn.qkv"}),
+    (IA3Config(task_type="SEQ_CLS"), {"attn.qkv", "attn.out", "ffn.down"}),
+])
+def test_default_target_modules_are_the_stock_ones_under_our_names(stock_dir, config, expected):
+    model = get_peft_model(ours(stock_dir), config)
+    targeted = {".".join(name.split(".")[-2:]) for name in model.base_model.targeted_module_names}
+    assert targeted == expected
+
+
+def test_defaults_on_stock_folders_loaded_through_the_patch(stock_dir):
+    bi.apply_bert_impl()
+    try:
+        patched = get_peft_model(transformers.AutoModelForSequenceClassification.from_pretrained(stock_dir),
+                                 LoraConfig(task_type="SEQ_CLS"))
+        stock = get_peft_model(transformers.BertForSequenceClassification.from_pretrained(stock_dir),
+                               LoraConfig(task_type="SEQ_CLS"))
+    finally:
+        bi.revert_bert_impl()
+    assert {n.split(".")[-1] for n in patched.base_model.targeted_module_names} == {"qkv"}
+    assert {n.split(".")[-1] for n in stock.base_model.targeted_module_names} == {"query", "value"}
+    assert peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["bert"] == ["query", "value"]
+
+
+def test_trainer_lora_save_reload_merge(stock_dir, tmp_path):
+    from datasets import Dataset
+
+    model = get_peft_model(ours(stock_dir), LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8))
+    train = batch(seed=2, size=16)
+    args = TrainingArguments(tmp_path / "run", max_steps=4, per_device_train_batch_size=8, learning_rate=5e-3,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    Trainer(model=model, args=args, train_dataset=Dataset.from_dict({k: v.tolist() for k, v in train.items()})).train()
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert any("lora_B" in n for n in changed) and any("classifier" in n for n in changed)
+
+    inputs = batch(seed=3)
+    trained = logits(model, inputs)
+    assert (trained - logits(ours(stock_dir), inputs)).abs().max() > 1e-3, "training must change the outputs"
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(ours(stock_dir), tmp_path / "adapter")
+    assert (logits(reloaded, inputs) - trained).abs().max() < TOL
+    merged = reloaded.merge_and_unload()
+    assert isinstance(merged, bi.BertImplForSequenceClassification)
+    assert (logits(merged, inputs) - trained).abs().max() < TOL
+
+    # The adapter's base is the stock folder: AutoPeftModel builds it through AutoModelForSequenceClassification,
+    # which gives our class (and the fused qkv the adapter targets) once apply_bert_impl() is in effect.
+    bi.apply_bert_impl()
+    try:
+        auto = AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "adapter")
+    finally:
+        bi.revert_bert_impl()
+    assert isinstance(auto.get_base_model(), bi.BertImplForSequenceClassification)
+    assert (logits(auto, inputs) - trained).abs().max() < TOL
+
+
+@pytest.mark.parametrize("config, targets", [
+    (dict(target_modules=["query", "value"], r=4, lora_alpha=8), {"qkv"}),
+    (dict(target_modules=["query", "key", "value", "intermediate.dense"], r=4, lora_alpha=16, use_rslora=True,
+          rank_pattern={"value": 2}, alpha_pattern={"query": 3}), {"qkv", "up"}),
+], ids=["query-value", "qkv-ffn-rslora-patterns"])
+def test_stock_adapter_converted_onto_our_qkv_gives_the_same_logits(stock_dir, tmp_path, config, targets):
+    torch.manual_seed(0)
+    # init_lora_weights=False: B is random too, so the adapter changes the outputs.
+    stock = get_peft_model(transformers.BertForSequenceClassification.from_pretrained(stock_dir),
+                           LoraConfig(task_type="SEQ_CLS", init_lora_weights=False, **config))
+    stock.save_pretrained(tmp_path / "stock-adapter")
+    inputs = batch()
+    expected = logits(stock, inputs)
+    with stock.disable_adapter():
+        assert (expected - logits(stock, inputs)).abs().max() > 1e-3, "the adapter must change the outputs"
+
+    with pytest.raises(ValueError, match="No modules were targeted"):
+        PeftModel.from_pretrained(ours(stock_dir), tmp_path / "stock-adapter")  # what the conversion is for
+    bi.convert_stock_lora(tmp_path / "stock-adapter", tmp_path / "converted")
+    converted = PeftModel.from_pretrained(ours(stock_dir), tmp_path / "converted")
+    got = logits(converted, inputs)
+    print(f"stock LoRA vs converted on ours: max |diff| {(got - expected).abs().max():.1e}")
+    assert (got - expected).abs().max() < TOL
+    assert {n.split(".")[-1] for n in converted.base_model.targeted_module_names} == targets
+    assert (logits(converted.merge_and_unload(), inputs) - expected).abs().max() < TOL
+
+    # Once patched, loading converts by itself: AutoPeftModel builds our class for the stock base folder.
+    peft_from_pretrained = PeftModel.__dict__["from_pretrained"]
+    bi.apply_bert_impl()
+    try:
+        auto = AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "stock-adapter")
+    finally:
+        bi.revert_bert_impl()
+    assert isinstance(auto.get_base_model(), bi.BertImplForSequenceClassification)
+    assert (logits(auto, inputs) - expected).abs().max() < TOL
+    assert PeftModel.__dict__["from_pretrained"] is peft_from_pretrained  # undone by revert_bert_impl()
+
+
+def test_conversion_refuses_what_is_not_a_lora(stock_dir, tmp_path):
+    get_peft_model(transformers.BertForSequenceClassification.from_pretrained(stock_dir),
+                   IA3Config(task_type="SEQ_CLS")).save_pretrained(tmp_path / "ia3")
+    with pytest.raises(ValueError, match="only LoRA adapters"):
+        bi.convert_stock_lora(tmp_path / "ia3", tmp_path / "out")
