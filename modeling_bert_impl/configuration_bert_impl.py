@@ -33,7 +33,8 @@ class BertImplConfig(PreTrainedConfig):
         pre-training heads then return logits for those M rows, (M, V) in row-major (B, T) order, and the same loss.
         Off by default, so logits are (B, T, V) as transformers' BERT gives them (and as `compute_metrics` written for
         it expects); the pre-training recipe turns it on (transformers' ModernBERT has the same switch, also off by
-        default). Without labels, logits are always (B, T, V).
+        default). Saved with the config, so a checkpoint of that recipe has it on: pass `sparse_prediction=False` to
+        `from_pretrained` for full logits. Without labels, logits are always (B, T, V).
     """
 
     model_type = "bert_impl"

@@ -627,3 +627,28 @@ def test_stock_checkpoint_loads_without_the_model_type_warning(minilm_dir, tmp_p
         BertImplConfig.from_pretrained(other)
     assert "You are using a model of type `roberta` to instantiate a model of type `bert_impl`" in captured.out
     assert py_logging.getLogger("transformers").level in (0, py_logging.WARNING)  # the logger was left as it was
+
+
+def test_pretraining_recipe_turns_the_sparse_decoder_on(tmp_path):
+    """The model's default is dense (B, T, V) logits; the pre-training recipe asks for the sparse decoder, for a new
+    model and for one it continues from, and --config_overrides can still turn it off."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import run_pretraining
+
+    class Tokenizer:
+        pad_token_id = 0
+
+        def __len__(self):
+            return 99
+
+    new = run_pretraining.load_model(run_pretraining.ModelArguments(config_name="tiny"), Tokenizer(), 64)
+    assert new.config.sparse_prediction is True
+    bi.BertImplForPreTraining(BertImplConfig(**SMALL)).save_pretrained(tmp_path)
+    continued = run_pretraining.load_model(run_pretraining.ModelArguments(model_name_or_path=str(tmp_path)), Tokenizer(), 64)
+    assert continued.config.sparse_prediction is True
+    undone = run_pretraining.new_config(
+        run_pretraining.ModelArguments(config_name="tiny", config_overrides="sparse_prediction=False"), Tokenizer())
+    assert undone.sparse_prediction is False
