@@ -688,8 +688,8 @@ class BertImplModel(BertImplPreTrainedModel):
             attention_mask = attention_mask.to(device=x.device, dtype=torch.bool)  # (B, T)
         return ALL_MASK_ATTENTION_FUNCTIONS[implementation](
             batch_size=B, q_length=T, kv_length=T, mask_function=mask_function, attention_mask=attention_mask,
-            allow_is_causal_skip=False, allow_is_bidirectional_skip=skip_if_unmasked, use_vmap=not skip_if_unmasked,
-            dtype=x.dtype, device=x.device, config=self.config,
+            allow_is_causal_skip=False, allow_is_bidirectional_skip=skip_if_unmasked, dtype=x.dtype, device=x.device,
+            config=self.config,
         )
 
 

@@ -19,8 +19,8 @@ import sys
 import tarfile
 import tempfile
 import unittest
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -64,17 +64,22 @@ config_common_kwargs = {
 }
 
 
+class RegistryUnreachable(RuntimeError):
+    """pip could not fetch a package from the package registry."""
+
+
 def _pip_download(args: list[str], dest: Path) -> Path:
-    """`pip download` into dest; returns the one file it wrote. Raises RuntimeError naming pip's last words."""
+    """`pip download` into dest; returns the one file it wrote. Raises RegistryUnreachable with pip's last words."""
     dest.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(dest), *args],
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "--retries", "1",
+         "--timeout", "30", "-d", str(dest), *args],
         capture_output=True, text=True, timeout=300,
     )
     files = [p for p in dest.iterdir() if p.is_file()]
     if proc.returncode != 0 or len(files) != 1:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"pip download {' '.join(args)} failed: {last}")
+        raise RegistryUnreachable(f"pip download {' '.join(args)} failed: {last}")
     return files[0]
 
 
@@ -109,7 +114,7 @@ def _fetch_common_tests() -> Path:
 
 try:
     _fetch_common_tests()
-except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+except (RegistryUnreachable, subprocess.TimeoutExpired) as error:
     pytest.skip(f"transformers' common tests could not be fetched from the package registry: {error}",
                 allow_module_level=True)
 
@@ -133,18 +138,17 @@ NAME_TABLES = {
 
 
 class BertImplModelTester:
-    """transformers' BertModelTester for our classes: a random small config and a padded batch."""
+    """transformers' BertModelTester for our classes: a random small config and a randomly padded batch."""
 
     def __init__(self, parent, batch_size=5, seq_length=7, is_training=True, vocab_size=99, hidden_size=32,
                  num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=64,
-                 type_vocab_size=16, num_labels=3, num_choices=4, type_sequence_label_size=2):
+                 type_vocab_size=16, num_choices=4):
         self.parent = parent
         self.batch_size, self.seq_length, self.is_training = batch_size, seq_length, is_training
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
         self.intermediate_size, self.max_position_embeddings = intermediate_size, max_position_embeddings
-        self.type_vocab_size, self.num_labels, self.num_choices = type_vocab_size, num_labels, num_choices
-        self.type_sequence_label_size = type_sequence_label_size
+        self.type_vocab_size, self.num_choices = type_vocab_size, num_choices
         # The head TrainingTesterMixin overfits with labels = input_ids (its hook is named for causal LMs): our MLM,
         # every position a target.
         self.causal_lm_class = bi.BertImplForMaskedLM
