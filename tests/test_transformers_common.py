@@ -190,6 +190,9 @@ class BertImplModelTest(ModelTesterMixin, TrainingTesterMixin, unittest.TestCase
         # Tiny models: one thread computes them as fast, and far faster when the cores are shared.
         self.addCleanup(torch.set_num_threads, torch.get_num_threads())
         torch.set_num_threads(1)
+        # Some tests read transformers' warnings: its default verbosity, whatever an earlier test module set.
+        self.addCleanup(transformers.logging.set_verbosity, transformers.logging.get_verbosity())
+        transformers.logging.set_verbosity_warning()
         for auto, table in NAME_TABLES.items():
             patcher = mock.patch.dict(table, {BertImplConfig.model_type: AUTO_CLASSES[auto].__name__})
             patcher.start()
