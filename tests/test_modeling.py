@@ -658,3 +658,20 @@ def test_pretraining_recipe_turns_the_sparse_decoder_on(tmp_path):
     undone = run_pretraining.new_config(
         run_pretraining.ModelArguments(config_name="tiny", config_overrides="sparse_prediction=False"), Tokenizer())
     assert undone.sparse_prediction is False
+
+
+def test_model_card_tells_the_truth_about_parameter_names(tmp_path):
+    """The card says the weights carry bert-impl's names and how to get stock ones; both checked on the files."""
+    from safetensors import safe_open
+
+    from modeling_bert_impl.model_card import model_card
+
+    model = bi.BertImplForSequenceClassification(BertImplConfig(**SMALL))
+    card = str(model_card(model, "org/name"))
+    assert "bert-impl's own parameter names" in card and "save_stock_pretrained" in card
+    assert "use stock BERT names" not in card
+    model.save_pretrained(tmp_path / "ours")
+    model.save_stock_pretrained(tmp_path / "stock")
+    keys = {name: set(safe_open(tmp_path / name / "model.safetensors", "pt").keys()) for name in ("ours", "stock")}
+    assert "bert.layers.0.attn.qkv.weight" in keys["ours"] and not any("encoder.layer" in k for k in keys["ours"])
+    assert "bert.encoder.layer.0.attention.self.query.weight" in keys["stock"]
