@@ -83,14 +83,15 @@ def make_batches(args, count: int) -> list[dict[str, torch.Tensor]]:
 
 
 def make_models(args) -> dict[str, torch.nn.Module]:
-    ours = BertImplConfig.from_preset(args.preset, vocab_size=args.vocab_size)
+    # As the pre-training recipe runs it: the MLM decoder on the masked rows only (the model's default is off).
+    ours = BertImplConfig.from_preset(args.preset, vocab_size=args.vocab_size, sparse_prediction=True)
     stock = transformers.BertConfig(**{k: getattr(ours, k) for k in (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
         "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings", "type_vocab_size",
         "initializer_range", "layer_norm_eps", "pad_token_id",
     )})
     torch.manual_seed(args.seed)
-    models = {"bert-impl BertImplForPreTraining": BertImplForPreTraining(ours)}
+    models = {"bert-impl BertImplForPreTraining, sparse_prediction=True": BertImplForPreTraining(ours)}
     if args.dense_prediction_too and hasattr(ours, "sparse_prediction"):
         dense = BertImplConfig.from_preset(args.preset, vocab_size=args.vocab_size, sparse_prediction=False)
         models["bert-impl, sparse_prediction=False"] = BertImplForPreTraining(dense)

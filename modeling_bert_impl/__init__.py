@@ -1,10 +1,13 @@
 """bert-impl: BERT written from scratch as a transformers model.
 
-Importing this package registers `bert_impl` with transformers' Auto classes (config, every head, and the tokenizer),
-so `AutoModelForX.from_pretrained(folder)` gives our classes without `trust_remote_code`.
+Importing this package registers `bert_impl` with transformers' Auto classes (config, every head, and the tokenizer
+from the `tokenization` package), so `AutoModelForX.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`
+give our classes without `trust_remote_code`.
 """
 
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
+
+from tokenization import BertImplTokenizer
 
 from .configuration_bert_impl import PRESETS, BertImplConfig
 from .modeling_bert_impl import (
@@ -20,6 +23,9 @@ from .modeling_bert_impl import (
     BertImplModel,
     BertImplPreTrainedModel,
 )
+from .model_card import write_model_card
+from .patching import apply_bert_impl, revert_bert_impl
+from .peft_support import convert_stock_lora, register_peft_defaults
 
 
 def _register() -> None:
@@ -28,17 +34,10 @@ def _register() -> None:
     AutoConfig.register(BertImplConfig.model_type, BertImplConfig, exist_ok=True)
     for auto_name, model_class in AUTO_CLASSES.items():
         getattr(transformers, auto_name).register(BertImplConfig, model_class, exist_ok=True)
+    AutoTokenizer.register(BertImplConfig, tokenizer_class=BertImplTokenizer, exist_ok=True)
 
 
 _register()
-
-# Importing the tokenizer registers it with AutoTokenizer for BertImplConfig (so it comes after the config).
-from tokenization import BertImplTokenizer  # noqa: E402
-
-from .model_card import write_model_card  # noqa: E402
-from .patching import apply_bert_impl, revert_bert_impl  # noqa: E402
-from .peft_support import convert_stock_lora, register_peft_defaults  # noqa: E402
-
 register_peft_defaults()  # peft's default target_modules for "bert_impl" (nothing without peft)
 
 __all__ = [

@@ -28,10 +28,13 @@ class BertImplConfig(PreTrainedConfig):
         bucketed by length and padded within their bucket (a few percent of extra rows, no copies per layer). Same
         outputs as the padded computation, less work. The `eager` attention
         implementation and `output_attentions=True` always take the padded path.
-    sparse_prediction (`bool`, defaults to `True`):
+    sparse_prediction (`bool`, defaults to `False`):
         With MLM `labels`, run the vocabulary decoder on the masked positions only (labels != -100): the masked-LM and
         pre-training heads then return logits for those M rows, (M, V) in row-major (B, T) order, and the same loss.
-        `False` returns the full (B, T, V) as transformers' BERT does. Without labels, logits are always (B, T, V).
+        Off by default, so logits are (B, T, V) as transformers' BERT gives them (and as `compute_metrics` written for
+        it expects); the pre-training recipe turns it on (transformers' ModernBERT has the same switch, also off by
+        default). Saved with the config, so a checkpoint of that recipe has it on: pass `sparse_prediction=False` to
+        `from_pretrained` for full logits. Without labels, logits are always (B, T, V).
     """
 
     model_type = "bert_impl"
@@ -52,7 +55,7 @@ class BertImplConfig(PreTrainedConfig):
     classifier_dropout: float | int | None = None
     tie_word_embeddings: bool = True
     unpad_inputs: bool = True
-    sparse_prediction: bool = True
+    sparse_prediction: bool = False
 
     def __post_init__(self, **kwargs):
         # Stock BERT configs carry these; accept what this model implements, refuse the rest.
@@ -64,6 +67,18 @@ class BertImplConfig(PreTrainedConfig):
             kwargs.pop(stock_only, None)
         self._check_sizes()
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        """transformers' reading of a config.json, with a stock BERT one (model_type "bert") translated into ours: the
+        fields are the same; its model type and `BertForX` architectures become ours. Loading stock BERT is supported,
+        so it is done deliberately here instead of through transformers' warning about a model of another type."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") == "bert":
+            architectures = [name.replace("Bert", "BertImpl", 1) if name.startswith("BertFor") or name == "BertModel"
+                             else name for name in config_dict.get("architectures") or []]
+            config_dict = {**config_dict, "model_type": cls.model_type, "architectures": architectures or None}
+        return config_dict, kwargs
 
     def _check_sizes(self):
         """Sizes positive, heads dividing the hidden size, probabilities in [0, 1): a ValueError naming the field."""

@@ -210,8 +210,9 @@ def model_card(
         sizes["parameters"] = f"{model_or_config.num_parameters():,}"
     sections = [
         f"# {name}",
-        about + ". It runs on bert-impl, a from-scratch PyTorch BERT that loads with 🤗 transformers' Auto classes; "
-        "the weights use stock BERT names.",
+        about + ". It runs on bert-impl, a from-scratch PyTorch BERT that loads with 🤗 transformers' Auto classes. "
+        "The weights are stored under bert-impl's own parameter names; for transformers' own BERT classes, load the "
+        "model with bert-impl and write a copy with stock BERT names: `model.save_stock_pretrained(folder)`.",
         "## Model\n\n" + _table(sizes.keys(), [sizes.values()]),
     ]
     if auto in ("AutoModelForSequenceClassification", "AutoModelForTokenClassification") and config.id2label:

@@ -16,11 +16,18 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    and_masks,
+    bidirectional_mask_function,
+    packed_sequence_mask_function,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPooling,
@@ -33,6 +40,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
+from transformers.utils.generic import can_return_tuple
 
 from .bert_padding import (
     bucketed_rows,
@@ -321,10 +329,16 @@ class BertImplMLMHead(nn.Module):
 # Losses: one helper for every head
 # ---------------------------------------------------------------------------------------------------------------------
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of (..., C) logits against (...) labels, skipping `ignore_index`; computed in float32."""
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device), ignore_index=ignore_index
-    )
+    """Mean cross-entropy of (..., C) logits against (...) labels over the labels that are not `ignore_index`;
+    computed in float32.
+
+    A batch whose labels are all `ignore_index` (say an MLM batch with no masked token) has a loss of 0 with zero
+    gradients, where transformers' BERT (PyTorch's mean over no element) gives NaN: one such batch cannot poison a
+    run. Every head's loss goes through here."""
+    labels = labels.reshape(-1).to(logits.device)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels, ignore_index=ignore_index,
+                            reduction="sum")
+    return total / (labels != ignore_index).sum().clamp(min=1)
 
 
 def masked_lm(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None, sparse: bool):
@@ -372,8 +386,15 @@ class BertImplPreTrainedModel(PreTrainedModel):
     base_model_prefix = "bert"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
+    # The padded path's attention goes through transformers' attention functions with a mask made by its mask
+    # interface for each (see BertImplModel._padded_attention_mask).
     _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_flash_attn = True
     _supports_attention_backend = True
+    # Hidden states and attentions are collected by hand, not by transformers' output capture (`_can_record_outputs`):
+    # it records what each layer returns, which on the unpadded path is (P, H) rows of the CPU's bucketed or the
+    # exact layout, not (B, T, H); BertImplModel.forward re-pads each one.
     _no_split_modules = ["BertImplEmbeddings", "BertImplLayer"]
     # Losses are means over the batch; Trainer scales them for gradient accumulation itself.
     accepts_loss_kwargs = False
@@ -382,6 +403,24 @@ class BertImplPreTrainedModel(PreTrainedModel):
 
     # Weights are initialised by PreTrainedModel._init_weights: Linear and Embedding ~ N(0, initializer_range), biases
     # and the padding embedding zero, LayerNorm to identity.
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs):
+        """transformers' loading step; a damaged (truncated, partly downloaded) safetensors file is named, with what to
+        do, instead of safetensors' bare "Error while deserializing header"."""
+        try:
+            return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs)
+        except SafetensorError as error:
+            for path in checkpoint_files or ():
+                try:
+                    safe_open(path, framework="pt")
+                except SafetensorError as damaged:
+                    raise OSError(
+                        f"The weights file {path} is damaged ({damaged}): it was not completely downloaded or written. "
+                        "Delete it and fetch it again: for a Hub model, from_pretrained(..., force_download=True); "
+                        "for a folder of yours, save the model again."
+                    ) from error
+            raise
 
     def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
         """As transformers' save_pretrained, with `auto_map` naming every head, so that the saved folder (which
@@ -511,7 +550,8 @@ class BertImplModel(BertImplPreTrainedModel):
         else:
             x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
             varlen, repad = None, (lambda h: h)
-            mask = self._additive_mask(attention_mask, packed_cu_seqlens, T, x.dtype)
+            implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
+            mask = self._padded_attention_mask(x, attention_mask, packed_cu_seqlens, implementation)
 
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
@@ -628,36 +668,48 @@ class BertImplModel(BertImplPreTrainedModel):
             return cu_seqlens_from_seq_idx(seq_idx.flatten())
         return cu_seqlens_from_position_ids(position_ids.flatten())
 
-    @staticmethod
-    def _additive_mask(attention_mask, packed_cu_seqlens, T, dtype):
-        """The padded path's mask, added to the attention scores: (B, 1, 1, T) for padding, (1, 1, T, T) block-diagonal
-        for a packed batch (which has no padding), None when nothing is masked. Masked scores get the dtype's minimum,
-        so a row that is all padding still gives finite (uniform) attention."""
+    def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str):
+        """The padded path's mask for x (B, T, H), made by transformers' mask interface in the form `implementation`
+        takes: additive float (B, 1, T, T) for eager (masked scores at the dtype's minimum, so a row that is all
+        padding still gives finite, uniform attention), bool for sdpa, a BlockMask for flex attention, the (B, T) mask
+        for flash attention; None when nothing is masked. A packed batch (`packed_cu_seqlens`, no padding) attends
+        block-diagonally: each token to its own sequence only."""
+        B, T = x.shape[:2]
+        mask_function, skip_if_unmasked = bidirectional_mask_function, True
         if packed_cu_seqlens is not None:
-            cu = packed_cu_seqlens
-            segment = torch.bucketize(torch.arange(T, device=cu.device), cu[1:].long(), right=True)  # (T,)
-            allowed = (segment[:, None] == segment[None, :])[None, None]  # (1, 1, T, T)
-        elif attention_mask is not None:
-            allowed = (attention_mask != 0)[:, None, None, :]  # (B, 1, 1, T)
-        else:
-            return None
-        return additive_mask(allowed, dtype)
+            if implementation.startswith("flash_attention"):
+                raise ValueError(
+                    f"{implementation} takes a packed batch on the unpadded path only: set config.unpad_inputs=True"
+                )
+            segment = torch.bucketize(torch.arange(T, device=x.device), packed_cu_seqlens[1:].long(), right=True)
+            mask_function = and_masks(mask_function, packed_sequence_mask_function(segment[None]))  # (1, T) ids
+            skip_if_unmasked = False
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(device=x.device, dtype=torch.bool)  # (B, T)
+        return ALL_MASK_ATTENTION_FUNCTIONS[implementation](
+            batch_size=B, q_length=T, kv_length=T, mask_function=mask_function, attention_mask=attention_mask,
+            allow_is_causal_skip=False, allow_is_bidirectional_skip=skip_if_unmasked, dtype=x.dtype, device=x.device,
+            config=self.config,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Heads
+# Heads. Each returns a typed ModelOutput; with return_dict=False (or config.return_dict=False) transformers'
+# `can_return_tuple` turns it into a tuple, its fields in stock BERT's order and the Nones left out.
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class BertImplForPreTrainingOutput(ModelOutput):
-    """loss = mlm_loss + nsp_loss (each a mean; present when its labels are given)."""
+    """transformers' BertForPreTrainingOutput, then the two losses that make up `loss` = mlm_loss + nsp_loss (each a
+    mean; present when its labels are given). Fields in this order, so `to_tuple()` (return_dict=False) gives stock
+    BERT's tuple with the extra losses at its end."""
 
     loss: torch.FloatTensor | None = None
-    mlm_loss: torch.FloatTensor | None = None
-    nsp_loss: torch.FloatTensor | None = None
     prediction_logits: torch.FloatTensor | None = None  # (B, T, V); (M, V) masked rows with labels, sparse_prediction
     seq_relationship_logits: torch.FloatTensor | None = None  # (B, 2)
     hidden_states: tuple[torch.FloatTensor, ...] | None = None
     attentions: tuple[torch.FloatTensor, ...] | None = None
+    mlm_loss: torch.FloatTensor | None = None
+    nsp_loss: torch.FloatTensor | None = None
 
 
 class BertImplForPreTraining(BertImplPreTrainedModel):
@@ -678,13 +730,14 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
     def set_output_embeddings(self, value):
         self.mlm_head.decoder = value
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, next_sentence_label=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, **packing):
+                **packing):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. next_sentence_label: (B,) 0 = B follows A.
 
-        With labels and `config.sparse_prediction` (the default), `prediction_logits` holds the masked rows only:
-        (M, V), M = (labels != -100).sum(), in row-major (B, T) order. Otherwise (B, T, V)."""
+        `prediction_logits` is (B, T, V); with labels and `config.sparse_prediction` (off by default), the masked rows
+        only: (M, V), M = (labels != -100).sum(), in row-major (B, T) order."""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
                         output_hidden_states, return_dict=True, **packing)
         prediction_logits, mlm_loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
@@ -696,7 +749,7 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
             prediction_logits=prediction_logits, seq_relationship_logits=seq_relationship_logits,
             hidden_states=out.hidden_states, attentions=out.attentions,
         )
-        return result if return_dict is not False else result.to_tuple()
+        return result
 
 
 class BertImplForMaskedLM(BertImplPreTrainedModel):
@@ -714,15 +767,16 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
     def set_output_embeddings(self, value):
         self.mlm_head.decoder = value
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None, **packing):
-        r"""labels: (B, T) token ids at masked positions, -100 elsewhere. With labels and `config.sparse_prediction`
-        (the default), `logits` holds the masked rows only: (M, V) in row-major (B, T) order. Otherwise (B, T, V)."""
+                labels=None, output_attentions=None, output_hidden_states=None, **packing):
+        r"""labels: (B, T) token ids at masked positions, -100 elsewhere. `logits` is (B, T, V); with labels and
+        `config.sparse_prediction` (off by default), the masked rows only: (M, V) in row-major (B, T) order."""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
                         output_hidden_states, return_dict=True, **packing)
         logits, loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
         result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return result if return_dict is not False else result.to_tuple()
+        return result
 
 
 class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
@@ -732,8 +786,9 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
         self.nsp_head = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None, **packing):
+                labels=None, output_attentions=None, output_hidden_states=None, **packing):
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
                         output_hidden_states, return_dict=True, **packing)
         logits = self.nsp_head(out.pooler_output)  # (B, 2)
@@ -741,7 +796,7 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
         result = NextSentencePredictorOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
-        return result if return_dict is not False else result.to_tuple()
+        return result
 
 
 def classifier_dropout(config: BertImplConfig) -> nn.Dropout:
@@ -757,8 +812,9 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None, **packing):
+                labels=None, output_attentions=None, output_hidden_states=None, **packing):
         r"""labels: (B,) class ids, (B,) floats for regression (num_labels == 1), or (B, C) multi-hot floats."""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
                         output_hidden_states, return_dict=True, **packing)
@@ -767,7 +823,7 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
         result = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
-        return result if return_dict is not False else result.to_tuple()
+        return result
 
 
 class BertImplForTokenClassification(BertImplPreTrainedModel):
@@ -779,15 +835,16 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None, **packing):
+                labels=None, output_attentions=None, output_hidden_states=None, **packing):
         r"""labels: (B, T) class ids, -100 where no label applies (padding, special tokens, later sub-words)."""
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
                         output_hidden_states, return_dict=True, **packing)
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, T, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return result if return_dict is not False else result.to_tuple()
+        return result
 
 
 class BertImplForQuestionAnswering(BertImplPreTrainedModel):
@@ -798,9 +855,10 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 start_positions=None, end_positions=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, **packing):
+                **packing):
         r"""start_positions, end_positions: (B,) token indices of the answer span; positions outside the sequence
         are clamped to T and ignored (as in transformers).
 
@@ -821,7 +879,7 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
             loss=loss, start_logits=start_logits, end_logits=end_logits,
             hidden_states=out.hidden_states, attentions=out.attentions,
         )
-        return result if return_dict is not False else result.to_tuple()
+        return result
 
 
 class BertImplForMultipleChoice(BertImplPreTrainedModel):
@@ -832,8 +890,9 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, return_dict=None):
+                labels=None, output_attentions=None, output_hidden_states=None):
         r"""Inputs are (B, C, T) for C choices; labels: (B,) the index of the right choice."""
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is None or reference.dim() < 3:
@@ -847,7 +906,7 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
         result = MultipleChoiceModelOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
-        return result if return_dict is not False else result.to_tuple()
+        return result
 
 
 # Every class above with the Auto class that loads it; written into saved configs as `auto_map`.

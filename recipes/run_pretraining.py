@@ -126,7 +126,8 @@ def load_tokenizer(model_args: ModelArguments):
 def new_config(model_args: ModelArguments, tokenizer) -> BertImplConfig:
     """A preset or a config file, with the tokenizer's vocabulary size and padding id, then --config_overrides."""
     name = model_args.config_name or "base"
-    sizes = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+    # sparse_prediction: the MLM decoder on the masked rows only (same loss, less work); --config_overrides may undo it.
+    sizes = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, "sparse_prediction": True}
     if name in PRESETS:
         config = BertImplConfig.from_preset(name, **sizes)
     else:
@@ -141,7 +142,7 @@ def load_model(model_args: ModelArguments, tokenizer, max_seq_length: int) -> Be
         if model_args.config_name or model_args.config_overrides:
             raise ValueError("--config_name/--config_overrides make a new model; drop them with --model_name_or_path")
         model = BertImplForPreTraining.from_pretrained(
-            model_args.model_name_or_path, cache_dir=model_args.cache_dir, token=model_args.token
+            model_args.model_name_or_path, cache_dir=model_args.cache_dir, token=model_args.token, sparse_prediction=True
         )
         if len(tokenizer) > model.config.vocab_size:
             model.resize_token_embeddings(len(tokenizer))

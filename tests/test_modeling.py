@@ -1,6 +1,7 @@
 """The core model against transformers' own BERT on the same weights: the real MiniLM checkpoint for the encoder,
 random small checkpoints written by transformers' BertForX for every head. fp32, eval mode."""
 
+import importlib.util
 import json
 
 import pytest
@@ -340,12 +341,15 @@ def test_all_padding_row_is_finite_and_leaves_other_rows_alone(small_model):
     small_model.set_attn_implementation("sdpa")
 
 
-def test_truncated_safetensors_is_refused(tmp_path):
+def test_truncated_safetensors_is_refused_naming_the_file(tmp_path):
     bi.BertImplModel(BertImplConfig(**SMALL)).save_pretrained(tmp_path)
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(Exception, match="incomplete metadata|not fully covered"):  # safetensors refuses it
+    with pytest.raises(OSError) as refused:
         bi.BertImplModel.from_pretrained(tmp_path)
+    message = str(refused.value)
+    assert str(weights) in message and "damaged" in message and "force_download=True" in message, message
+    assert "incomplete metadata" in message  # safetensors' own diagnosis is kept
 
 
 # --- transformers contract -------------------------------------------------------------------------------------------
@@ -406,3 +410,268 @@ def test_packed_batch_with_padding_is_refused(small_model):
     mask[0, 6:] = 0
     with pytest.raises(ValueError, match="packed batch"):
         small_model(x, attention_mask=mask, seq_idx=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]))
+
+
+# --- the transformers contract: tuples, dense MLM logits, losses, attention implementations, loading -------------------
+@pytest.mark.parametrize("stock_name,our_name,auto_name", HEADS, ids=[h[1] for h in HEADS])
+def test_return_dict_false_gives_stock_berts_tuple(tmp_path, stock_name, our_name, auto_name):
+    """`return_dict=False` and `config.return_dict=False`: the tuple transformers' BertForX gives on the same weights
+    (unpadded inputs, so every element compares exactly), our extra fields after stock's."""
+    torch.manual_seed(0)
+    num_labels = 2 if stock_name == "BertForQuestionAnswering" else 3
+    stock = getattr(transformers, stock_name)(BertConfig(**{**SMALL, "num_labels": num_labels})).eval()
+    stock.save_pretrained(tmp_path)
+    ours = getattr(bi, our_name).from_pretrained(tmp_path).eval()
+    inputs, labels = make_inputs(stock_name, ours.config, torch.Generator().manual_seed(4))
+    inputs["attention_mask"].fill_(1)
+    if stock_name == "BertForTokenClassification":
+        labels["labels"] = torch.randint(0, num_labels, labels["labels"].shape)
+    for kwargs in ({**inputs, **labels}, inputs):
+        with torch.no_grad():
+            expected = stock(**kwargs, output_hidden_states=True, return_dict=False)
+            got = ours(**kwargs, output_hidden_states=True, return_dict=False)
+            ours.config.return_dict = False
+            from_config = ours(**kwargs, output_hidden_states=True)
+            ours.config.return_dict = True
+        assert type(expected) is tuple and type(got) is tuple and type(from_config) is tuple
+        extra = 2 if stock_name == "BertForPreTraining" and labels.keys() <= kwargs.keys() else 0  # mlm_loss, nsp_loss
+        assert len(got) == len(from_config) == len(expected) + extra
+        for i, e in enumerate(expected):
+            pairs = zip(e, got[i]) if isinstance(e, tuple) else [(e, got[i])]  # hidden states: a tuple of tensors
+            for a, b in pairs:
+                assert a.shape == b.shape and (a - b).abs().max() < TOL, (i, a.shape, b.shape)
+        for a, b in zip(got, from_config):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else torch.equal(a, b)
+        if extra:
+            mlm_loss, nsp_loss = got[-2:]
+            assert abs((mlm_loss + nsp_loss).item() - got[0].item()) < TOL
+
+
+def test_pretraining_tuple_unpacks_as_stocks():
+    model = bi.BertImplForPreTraining(BertImplConfig(**SMALL)).eval()
+    x = torch.randint(1, 99, (2, 6))
+    labels = torch.full((2, 6), -100).index_fill_(1, torch.tensor([2]), 7)
+    loss, logits, nsp_logits, *extra = model(x, labels=labels, next_sentence_label=torch.tensor([0, 1]), return_dict=False)
+    assert loss.dim() == 0 and logits.shape == (2, 6, 99) and nsp_logits.shape == (2, 2) and len(extra) == 2
+
+
+@pytest.mark.parametrize("head", [bi.BertImplForMaskedLM, bi.BertImplForPreTraining])
+def test_mlm_logits_keep_their_shape_with_labels_unless_sparse_is_asked(head):
+    torch.manual_seed(0)
+    x = torch.randint(1, 99, (3, 7))
+    labels = torch.full((3, 7), -100).index_fill_(1, torch.tensor([1, 4]), 5)
+    name = "logits" if head is bi.BertImplForMaskedLM else "prediction_logits"
+    model = head(BertImplConfig(**SMALL)).eval()
+    assert model.config.sparse_prediction is False
+    with torch.no_grad():
+        dense = model(x, labels=labels)
+        model.config.sparse_prediction = True
+        sparse = model(x, labels=labels)
+    assert getattr(dense, name).shape == (3, 7, 99)
+    assert getattr(sparse, name).shape == (6, 99)  # the masked rows only
+    assert (getattr(dense, name)[labels != -100] - getattr(sparse, name)).abs().max() < TOL
+    assert abs(dense.loss.item() - sparse.loss.item()) < TOL
+
+
+def test_run_mlm_style_compute_metrics_runs_under_trainer(tmp_path):
+    """transformers' run_mlm: `preprocess_logits_for_metrics` keeps logits.argmax(-1), `compute_metrics` compares it
+    with the labels at labels != -100. Its accuracy equals one computed from the model's own outputs."""
+    import numpy as np
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = bi.BertImplForMaskedLM(BertImplConfig(**SMALL)).eval()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 99, (12, 8), generator=g)
+    labels = ids.masked_fill(torch.rand(12, 8, generator=g) > 0.3, -100)
+    labels[0] = -100  # one example without any masked token
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * 8] * 12, "labels": labels.tolist()})
+
+    def preprocess_logits_for_metrics(logits, labels):
+        return logits.argmax(dim=-1)
+
+    def compute_metrics(eval_preds):
+        predictions, labels = eval_preds
+        kept = labels != -100
+        return {"accuracy": float(np.mean(predictions[kept] == labels[kept]))}
+
+    args = TrainingArguments(tmp_path, per_device_eval_batch_size=5, report_to=[], use_cpu=True)
+    trainer = Trainer(model=model, args=args, eval_dataset=data, compute_metrics=compute_metrics,
+                      preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+    metrics = trainer.evaluate()
+    with torch.no_grad():
+        predicted = model(ids).logits.argmax(-1)
+    expected = (predicted == labels)[labels != -100].float().mean().item()
+    assert abs(metrics["eval_accuracy"] - expected) < 1e-6 and np.isfinite(metrics["eval_loss"])
+
+
+NO_LABELS = {  # every head's labels, all of them ignored
+    "BertImplForPreTraining": lambda B, T: {"labels": torch.full((B, T), -100),
+                                            "next_sentence_label": torch.full((B,), -100)},
+    "BertImplForMaskedLM": lambda B, T: {"labels": torch.full((B, T), -100)},
+    "BertImplForNextSentencePrediction": lambda B, T: {"labels": torch.full((B,), -100)},
+    "BertImplForSequenceClassification": lambda B, T: {"labels": torch.full((B,), -100)},
+    "BertImplForTokenClassification": lambda B, T: {"labels": torch.full((B, T), -100)},
+    "BertImplForQuestionAnswering": lambda B, T: {"start_positions": torch.full((B,), T + 5),
+                                                  "end_positions": torch.full((B,), T + 5)},  # outside: ignored
+    "BertImplForMultipleChoice": lambda B, T: {"labels": torch.full((B,), -100)},
+}
+
+
+@pytest.mark.parametrize("our_name", list(NO_LABELS))
+def test_a_batch_with_every_label_ignored_has_zero_loss_and_zero_gradients(our_name):
+    """Deliberately unlike transformers' BERT, whose mean over no label is NaN (checked here too)."""
+    torch.manual_seed(0)
+    stock_name = our_name.replace("BertImpl", "Bert", 1)
+    ours = getattr(bi, our_name)(BertImplConfig(**{**SMALL, "num_labels": 2}))
+    stock = getattr(transformers, stock_name)(BertConfig(**{**SMALL, "num_labels": 2}))
+    inputs, _ = make_inputs(stock_name, ours.config, torch.Generator().manual_seed(6))
+    B, T = 3, inputs["input_ids"].shape[-1]
+    labels = NO_LABELS[our_name](B, T)
+    assert torch.isnan(stock(**inputs, **labels).loss)
+    out = ours(**inputs, **labels)
+    assert torch.isfinite(out.loss) and out.loss.item() == 0.0
+    out.loss.backward()
+    grads = [p.grad for p in ours.parameters() if p.grad is not None]
+    assert grads and all(g.abs().max() == 0 for g in grads)
+    if our_name == "BertImplForPreTraining":
+        assert out.mlm_loss.item() == 0.0 and out.nsp_loss.item() == 0.0
+
+
+def padded_and_packed_batches():
+    g = torch.Generator().manual_seed(7)
+    padded = {"input_ids": torch.randint(1, 99, (3, 9), generator=g), "attention_mask": torch.ones(3, 9, dtype=torch.long)}
+    padded["attention_mask"][1, 6:] = 0
+    padded["attention_mask"][2, :4] = 0  # left padding
+    lengths = [4, 2, 3]
+    packed = {"input_ids": torch.randint(1, 99, (1, sum(lengths)), generator=g),
+              "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    return padded, packed, lengths
+
+
+def test_flex_attention_matches_sdpa_and_eager_on_the_padded_path():
+    """flex_attention on CPU, fp32, padded path (unpad_inputs=False): a padded batch (right and left padding) and a
+    packed one (block-diagonal mask: each sequence alone)."""
+    torch.manual_seed(0)
+    model = bi.BertImplModel(BertImplConfig(**SMALL, unpad_inputs=False)).eval()
+    padded, packed, lengths = padded_and_packed_batches()
+    outputs = {}
+    with torch.no_grad():
+        for implementation in ("eager", "sdpa", "flex_attention"):
+            model.set_attn_implementation(implementation)
+            outputs[implementation] = (model(**padded), model(**packed))
+    assert model.config._attn_implementation == "flex_attention"
+    mask = padded["attention_mask"]
+    for implementation in ("eager", "sdpa"):
+        reference, got = outputs[implementation], outputs["flex_attention"]
+        assert real_tokens_max_diff(reference[0].last_hidden_state, got[0].last_hidden_state, mask) < TOL
+        assert (reference[0].pooler_output - got[0].pooler_output).abs().max() < TOL
+        assert (reference[1].last_hidden_state - got[1].last_hidden_state).abs().max() < TOL
+    model.set_attn_implementation("sdpa")
+    start = 0
+    with torch.no_grad():
+        for n in lengths:  # the packed batch: each sequence as if it were alone
+            alone = model(packed["input_ids"][:, start:start + n]).last_hidden_state
+            assert (alone - outputs["flex_attention"][1].last_hidden_state[:, start:start + n]).abs().max() < TOL
+            start += n
+
+
+def test_flash_attention_2_is_accepted_and_says_what_it_needs():
+    """Declared supported. Without a CUDA GPU and the flash_attn package, asking for it fails at once, saying so;
+    with them, it matches sdpa on a padded batch."""
+    config = BertImplConfig(**SMALL, unpad_inputs=False)
+    available = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    if not available:
+        with pytest.raises(ImportError, match="FlashAttention2"):
+            bi.BertImplModel._from_config(config, attn_implementation="flash_attention_2")
+        return
+    torch.manual_seed(0)
+    padded, _, _ = padded_and_packed_batches()
+    padded = {k: v.cuda() for k, v in padded.items()}
+    model = bi.BertImplModel._from_config(config, attn_implementation="flash_attention_2").cuda().half().eval()
+    with torch.no_grad():
+        flash = model(**padded).last_hidden_state
+        model.set_attn_implementation("sdpa")
+        sdpa = model(**padded).last_hidden_state
+    assert real_tokens_max_diff(flash.float(), sdpa.float(), padded["attention_mask"]) < 5e-3
+
+
+def test_stock_checkpoint_loads_without_the_model_type_warning(minilm_dir, tmp_path):
+    """A stock `bert` config is translated into ours: no "model of type bert to instantiate a model of type
+    bert_impl" warning. Real warnings still surface: the head's new classifier, and a config of another type."""
+    import shutil
+    import warnings
+
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    logger = logging.get_logger("transformers")
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_warning()  # transformers' default (another test module may have lowered it)
+    try:
+        with CaptureLogger(logger) as captured, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            encoder = bi.BertImplModel.from_pretrained(minilm_dir)
+            classifier = bi.BertImplForSequenceClassification.from_pretrained(minilm_dir, num_labels=2)
+    finally:
+        logging.set_verbosity(verbosity)
+    assert encoder.config.model_type == "bert_impl" and encoder.config.architectures == ["BertImplModel"]
+    assert isinstance(classifier, bi.BertImplForSequenceClassification)
+    everything = captured.out + "\n".join(str(w.message) for w in caught)
+    assert "to instantiate a model of type" not in everything, everything
+    assert "classifier.weight" in captured.out  # transformers' report of the newly initialised head
+
+    other = tmp_path / "roberta"
+    shutil.copytree(minilm_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "roberta"}))
+    logging.set_verbosity_warning()
+    try:
+        with CaptureLogger(logger) as captured:
+            BertImplConfig.from_pretrained(other)
+    finally:
+        logging.set_verbosity(verbosity)
+    assert "You are using a model of type `roberta` to instantiate a model of type `bert_impl`" in captured.out
+
+
+def test_pretraining_recipe_turns_the_sparse_decoder_on(tmp_path):
+    """The model's default is dense (B, T, V) logits; the pre-training recipe asks for the sparse decoder, for a new
+    model and for one it continues from, and --config_overrides can still turn it off."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import run_pretraining
+
+    class Tokenizer:
+        pad_token_id = 0
+
+        def __len__(self):
+            return 99
+
+    new = run_pretraining.load_model(run_pretraining.ModelArguments(config_name="tiny"), Tokenizer(), 64)
+    assert new.config.sparse_prediction is True
+    bi.BertImplForPreTraining(BertImplConfig(**SMALL)).save_pretrained(tmp_path)
+    continued = run_pretraining.load_model(run_pretraining.ModelArguments(model_name_or_path=str(tmp_path)), Tokenizer(), 64)
+    assert continued.config.sparse_prediction is True
+    undone = run_pretraining.new_config(
+        run_pretraining.ModelArguments(config_name="tiny", config_overrides="sparse_prediction=False"), Tokenizer())
+    assert undone.sparse_prediction is False
+
+
+def test_model_card_tells_the_truth_about_parameter_names(tmp_path):
+    """The card says the weights carry bert-impl's names and how to get stock ones; both checked on the files."""
+    from safetensors import safe_open
+
+    from modeling_bert_impl.model_card import model_card
+
+    model = bi.BertImplForSequenceClassification(BertImplConfig(**SMALL))
+    card = str(model_card(model, "org/name"))
+    assert "bert-impl's own parameter names" in card and "save_stock_pretrained" in card
+    assert "use stock BERT names" not in card
+    model.save_pretrained(tmp_path / "ours")
+    model.save_stock_pretrained(tmp_path / "stock")
+    keys = {name: set(safe_open(tmp_path / name / "model.safetensors", "pt").keys()) for name in ("ours", "stock")}
+    assert "bert.layers.0.attn.qkv.weight" in keys["ours"] and not any("encoder.layer" in k for k in keys["ours"])
+    assert "bert.encoder.layer.0.attention.self.query.weight" in keys["stock"]

@@ -274,8 +274,8 @@ def test_layers_compile_without_graph_breaks():
     x = torch.randn(sum(lengths), config.hidden_size)
     rows, real, _, shapes = bucketed_rows(cu_seqlens, length_groups(lengths, 0))
     inputs = {
-        "padded": (torch.randn(3, 9, config.hidden_size), model._additive_mask(
-            sequence_mask(cu_seqlens, 9).long(), None, 9, torch.float32), None),
+        "padded": (torch.randn(3, 9, config.hidden_size), model._padded_attention_mask(
+            torch.randn(3, 9, config.hidden_size), sequence_mask(cu_seqlens, 9).long(), None, "sdpa"), None),
         "exact": (x, None, mbi.VarlenBatch.build(cu_seqlens, 9, sum(lengths), torch.float32)),
         "bucketed": (x[rows], None, mbi.BucketedBatch.build(real, shapes, torch.float32)),
     }

@@ -8,7 +8,7 @@ Texts are the lines of local files, or one column of a data set read with `datas
 local folder). Training runs `tokenizers`' WordPiece trainer through `train_new_from_iterator`, so the result has
 BERT's pipeline, the special tokens `[PAD] [UNK] [CLS] [SEP] [MASK]` as ids 0-4, and the `[CLS] A [SEP] B [SEP]`
 template. DIR gets `tokenizer.json`, `vocab.txt`, `tokenizer_config.json` and the tokenizer code, and loads with
-`AutoTokenizer.from_pretrained(DIR)`.
+`BertImplTokenizer.from_pretrained(DIR)`, or `AutoTokenizer.from_pretrained(DIR)` after `import modeling_bert_impl`.
 """
 
 import argparse
