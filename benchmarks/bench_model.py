@@ -282,7 +282,7 @@ def main():
     peak_flops = None
     if args.device == "cuda":
         peak_flops = bf16_matmul_peak_flops(args.device)
-        flash = modeling_bert_impl.modeling_bert_impl.flash_attn_varlen_func is not None
+        flash = modeling_bert_impl.bert_padding.flash_attn_varlen_func is not None
         print(f"measured bf16 matmul peak: {peak_flops / 1e12:.0f} TFLOP/s; flash_attn varlen: {flash}")
     with tempfile.TemporaryDirectory() as folder:
         write_weights(args.device, folder)
