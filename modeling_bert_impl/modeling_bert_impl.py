@@ -477,7 +477,7 @@ class BertImplModel(BertImplPreTrainedModel):
             checks += [(position_ids.min(), 0, positions - 1, message), (position_ids.max(), 0, positions - 1, message)]
         if attention_mask is not None:  # the first value that is neither 0 nor 1, else 0
             bad = ((attention_mask != 0) & (attention_mask != 1)).flatten()
-            value = torch.where(bad.any(), attention_mask.flatten()[bad.int().argmax()], 0)
+            value = torch.where(bad, attention_mask.flatten(), 0).gather(0, bad.int().argmax()[None])[0]
             checks.append((value, 0, 0, "attention_mask holds {}; expected 0 (padding) or 1 (token)"))
         if cu_seq_lens_q is not None:
             cu = cu_seq_lens_q
@@ -514,15 +514,15 @@ class BertImplModel(BertImplPreTrainedModel):
             real = attention_mask != 0
             facts += [real.sum(), real.sum(-1).max()]  # real tokens, longest sequence
         packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
-        if packable:
+        if packable and cu_seq_lens_q is not None:
+            facts += [cu_seq_lens_q.new_tensor(cu_seq_lens_q.shape[0] - 1), (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()]
+        elif packable:  # the sequences and the longest run between their starts
             starts = sequence_starts(position_ids.flatten() if position_ids is not None else None,
                                      seq_idx.flatten() if seq_idx is not None else None)  # (T,)
-            if cu_seq_lens_q is not None:
-                facts += [cu_seq_lens_q.new_tensor(cu_seq_lens_q.shape[0] - 1), (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()]
-            else:  # the longest run between starts
-                start_of = torch.cummax(torch.where(starts, torch.arange(T, device=starts.device), 0), 0).values
-                facts += [starts.sum(), (torch.arange(T, device=starts.device) - start_of).max() + 1]
-        stacked = torch.stack([c[0].double() for c in checks] + [f.double() for f in facts]).tolist()
+            start_of = torch.cummax(torch.where(starts, torch.arange(T, device=starts.device), 0), 0).values
+            facts += [starts.sum(), (torch.arange(T, device=starts.device) - start_of).max() + 1]
+        read = [c[0].double() for c in checks] + [f.double() for f in facts]
+        stacked = torch.stack(read).tolist() if read else []
         values, facts = stacked[:len(checks)], [int(f) for f in stacked[len(checks):]]
         for value, (_, low, high, message) in zip(values, checks):
             if not low <= value <= high:  # NaN fails too
