@@ -5,6 +5,7 @@ eager; torch.compile(fullgraph=True) on padded and packed batches; the export co
 Small random configs, fp32, eval mode. Outputs over (B, T) positions are compared on the real tokens (eager's unpadded
 path leaves zeros at padding, the exported padded path whatever attention gives there)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -23,11 +24,24 @@ ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 TOL = 1e-4
-TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
             max_position_embeddings=64, num_labels=3)
 CLASSES = ["BertImplModel", "BertImplForPreTraining", "BertImplForMaskedLM", "BertImplForNextSentencePrediction",
            "BertImplForSequenceClassification", "BertImplForTokenClassification", "BertImplForQuestionAnswering",
            "BertImplForMultipleChoice"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def onnx_op_table_built_once():
+    """torch.onnx rebuilds its table of ONNX functions from onnxscript on every export (most of an export's time for
+    a model this small); the table does not change within a process, so the tests build it once."""
+    from torch.onnx._internal.exporter import _registration
+
+    module = _registration._torchlib_registry
+    original = module.get_torchlib_ops
+    module.get_torchlib_ops = functools.cache(original)
+    yield
+    module.get_torchlib_ops = original
 
 
 def padded_batch(lengths: list[int], seed: int, choices: int | None = None) -> dict:
