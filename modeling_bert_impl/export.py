@@ -5,8 +5,9 @@ PyTorch in onnxruntime:
     bert-impl-export MODEL OUTPUT_DIR ...                  (the same, as a console script)
 
 MODEL is a folder or a Hub id; TASK one of the keys of TASKS (default: the folder's architecture). OUTPUT_DIR gets
-model.onnx (weights inside, or beside it in model.onnx.data above 1 GiB), config.json, the tokenizer files when MODEL has them, and export.json (what was exported and the measured
-max |diff| against PyTorch on a padded sample batch of another shape than the one exported). The graph is torch.export's
+model.onnx (weights inside, or beside it in model.onnx.data above 1 GiB), config.json (as stock BERT's), the
+tokenizer files when MODEL has them, and export.json (what was exported and the measured max |diff| against PyTorch
+on a padded sample batch of another shape than the one exported). The graph is torch.export's
 of the padded path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask, token_type_ids, each
 (batch, sequence), or (batch, choices, sequence) for multiple choice.
 """
@@ -123,7 +124,13 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
     print(f"inputs {list(INPUTS)}, outputs {output_names}; onnxruntime vs PyTorch on a "
           f"{tuple(check['input_ids'].shape)} batch: max |diff| {diff:.2e} (tolerance {atol:g})")
 
-    model.config.save_pretrained(output_dir)
+    # The config as stock BERT's (what the graph computes), so that plain transformers reads it beside the ONNX model
+    config = model.config.to_dict()
+    for key in ("auto_map", "unpad_inputs", "sparse_prediction"):
+        config.pop(key, None)
+    config.update(model_type="bert", architectures=[type(model).__name__.replace("BertImpl", "Bert", 1)])
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
     with open(os.path.join(output_dir, "export.json"), "w") as f:
