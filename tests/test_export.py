@@ -124,6 +124,7 @@ def tiny_model():
 
 def test_compiled_fullgraph_padded_batches_match_eager_without_recompiling(tiny_model):
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # process-wide: other tests' compilations count there too
     compiled = torch.compile(tiny_model, fullgraph=True, backend="aot_eager", dynamic=True)
     for seed, lengths in enumerate([[9, 3, 14, 6], [5, 20, 7], [11, 2, 30, 8, 8]]):
         batch = padded_batch(lengths, seed)

@@ -180,14 +180,18 @@ def test_batch_of_padding_only_runs():
     assert out.last_hidden_state.shape == (2, 5, 32) and torch.isfinite(out.pooler_output).all()
 
 
-def test_compiled_model_takes_exact_layout_and_matches():
+def test_compiled_model_matches_in_both_layouts():
+    """Under torch.compile: inference takes the bucketed layout (its host steps as custom ops), training the exact one."""
     torch.manual_seed(0)
     model = BertImplModel(BertImplConfig(**TINY)).eval()
     batch = mixed_batch(99, [9, 3, 0, 14, 6], left={3})
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
         expected = model(**batch).last_hidden_state  # bucketed layout
-        got = torch.compile(model, backend="aot_eager")(**batch).last_hidden_state  # exact layout, re-padded kernel
+        got = compiled(**batch).last_hidden_state  # bucketed layout, custom ops
     assert real_diff(got, expected, batch["attention_mask"]) <= TOL
+    got = compiled(**batch).last_hidden_state  # with grad: exact layout, re-padded kernel
+    assert real_diff(got.detach(), expected, batch["attention_mask"]) <= TOL
 
 
 def test_gradients_equal_padded_unpadded_eager():
