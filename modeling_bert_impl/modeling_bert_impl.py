@@ -346,6 +346,10 @@ class BertImplModel(BertImplPreTrainedModel):
 
         With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states at padding
         positions are zero when the unpadded path ran (`config.unpad_inputs`), unspecified otherwise.
+        `attention_mask` holds 0 (padding) and 1 (token), as bool, integers or floats; other values are refused.
+
+        Under `torch.compile` the unpadded path runs too (its host-side steps as custom ops, bert_padding.py); under
+        `torch.export` the graph is the padded path, and only `cu_seq_lens_q` / `seq_idx` mark a packed batch.
         """
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
