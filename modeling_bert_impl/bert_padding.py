@@ -251,7 +251,8 @@ def _register_custom_ops() -> None:
         ctx = torch.library.get_ctx()
         P, nnz, G = ctx.new_dynamic_size(), ctx.new_dynamic_size(), ctx.new_dynamic_size()
         long = dict(dtype=torch.long, device=tokens.device)
-        return (torch.empty(P, **long), torch.empty(P, dtype=torch.bool, device=tokens.device), torch.empty(nnz, **long),
+        real = torch.empty(P, dtype=torch.bool, device=tokens.device)
+        return (torch.empty(P, **long), real, torch.empty(nnz, **long),
                 torch.empty(cu_seqlens.shape[0] - 1, **long), torch.empty(G, 2, **long))
 
     @torch.library.custom_op("bert_impl::bucketed_attention", mutates_args=())

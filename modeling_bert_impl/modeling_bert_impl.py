@@ -519,7 +519,8 @@ class BertImplModel(BertImplPreTrainedModel):
             facts += [real.sum(), real.sum(-1).max()]  # real tokens, longest sequence
         packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
         if packable and cu_seq_lens_q is not None:
-            facts += [cu_seq_lens_q.new_tensor(cu_seq_lens_q.shape[0] - 1), (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max()]
+            cu = cu_seq_lens_q
+            facts += [cu.new_tensor(cu.shape[0] - 1), (cu[1:] - cu[:-1]).max()]  # sequences, longest sequence
         elif packable:  # the sequences and the longest run between their starts
             starts = sequence_starts(position_ids.flatten() if position_ids is not None else None,
                                      seq_idx.flatten() if seq_idx is not None else None)  # (T,)

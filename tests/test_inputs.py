@@ -75,7 +75,8 @@ def test_every_value_check_in_one_host_read(model, monkeypatch):
     reads = []
     for name in ("tolist", "item", "__bool__"):
         original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _o=original, **k: reads.append(_n) or _o(self, *a, **k))
+        counted = lambda self, *a, _n=name, _o=original, **k: reads.append(_n) or _o(self, *a, **k)  # noqa: E731
+        monkeypatch.setattr(torch.Tensor, name, counted)
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 5:] = 0
     with torch.no_grad():
