@@ -2,11 +2,14 @@
 
     python benchmarks/bench_model.py                  # CPU: 2 threads, all-MiniLM-L6-v2 weights, fp32
     python benchmarks/bench_model.py --device cuda    # GPU: BERT-base config, random weights, bf16 autocast, MFU
+    python benchmarks/bench_model.py --compile --skip-train   # + our encoder under torch.compile (inductor)
 
 Both models get the same weights (a stock `BertForPreTraining` folder; MiniLM has no pre-training heads, so those are
 random and shared). Every measurement alternates the two models on the same batches and reports medians:
 
-- inference: `model.bert(...)` (the encoder + pooler), real (non-padding) tokens per second;
+- inference: `model.bert(...)` (the encoder + pooler), real (non-padding) tokens per second; with `--compile` also
+  our encoder under `torch.compile(fullgraph=True)` (inductor; compiled on every batch shape before timing, and the
+  recompilations during timing counted, which should be none);
 - training: forward + backward + fused AdamW step of the pre-training model (MLM + NSP losses), real tokens per
   second; ours also with the full (B, T, V) MLM logits (`sparse_prediction=False`), for the encoder's share of the
   gain; on GPU the step's MFU as well;
@@ -29,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 import transformers
@@ -221,10 +225,23 @@ def bench_shape(folder: str, lo: int, hi: int, batch_size: int, args, peak_flops
 
     ref.eval(), ours.eval()
     infer = {"transformers": lambda b: inference(ref, b, args.device), "bert-impl": lambda b: inference(ours, b, args.device)}
-    for run in infer.values():  # warm-up
-        run(batches[0])
+    if args.compile:
+        compiled_model = SimpleNamespace(bert=torch.compile(ours.bert, fullgraph=True))
+        infer["bert-impl + compile"] = lambda b: inference(compiled_model, b, args.device)
+    for run in infer.values():  # warm-up (and compilation, on every batch shape)
+        for b in batches if args.compile else batches[:1]:
+            run(b)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    print(f"  load average before timing: {open('/proc/loadavg').read().strip()}")
     rates = alternate(infer, batches, args.repeats, args.device)
-    report("inference, real tok/s", {n: statistics.median(r) for n, r in rates.items()})
+    print(f"  load average after timing:  {open('/proc/loadavg').read().strip()}")
+    medians = {n: statistics.median(r) for n, r in rates.items()}
+    report("inference, real tok/s", medians)
+    if args.compile:
+        spread = {n: f"{min(r):,.0f}..{max(r):,.0f}" for n, r in rates.items()}
+        print(f"  compiled / eager bert-impl: {medians['bert-impl + compile'] / medians['bert-impl']:.2f}x; "
+              f"recompilations during timing: {torch._dynamo.utils.counters['stats']['unique_graphs'] - graphs}; "
+              f"spread (min..max tok/s): {spread}")
     report("inference peak memory, MiB",
            {n: statistics.median(peak_memory_mib(lambda: run(batches[0]), args.device) for _ in range(3))
             for n, run in infer.items()})
@@ -270,6 +287,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="passes over the batches")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="also time our encoder under torch.compile (inductor)")
     args = parser.parse_args()
     shapes = args.shapes or (["8:128:64", "32:512:16"] if args.device == "cpu" else ["8:128:64", "32:512:64"])
 
@@ -285,7 +303,7 @@ def main():
     peak_flops = None
     if args.device == "cuda":
         peak_flops = bf16_matmul_peak_flops(args.device)
-        flash = modeling_bert_impl.modeling_bert_impl.flash_attn_varlen_func is not None
+        flash = modeling_bert_impl.bert_padding.flash_attn_varlen_func is not None
         print(f"measured bf16 matmul peak: {peak_flops / 1e12:.0f} TFLOP/s; flash_attn varlen: {flash}")
     with tempfile.TemporaryDirectory() as folder:
         write_weights(args.device, folder)

@@ -1,14 +1,43 @@
-"""Padding helpers: small pure functions that move between padded (B, T, ...) and unpadded (nnz, ...) layouts.
+"""The padding-free machinery of the encoder, in one place: layouts, attention kernels and padding helpers.
+
+The encoder calls one small interface, `UnpaddedLayout`: `UnpaddedLayout.build(...)` from the attention mask or the
+packing markers (once per forward), then `layout.unpad(t)` (B, T, ...) -> (P, ...), `layout.attend(q, k, v, ...)`
+per layer, `layout.repad(h)` (P, ...) -> (B, T, ...) and `layout.first_tokens(h)` (the [CLS] row of each sequence).
 
 Vocabulary: B batch, T padded length, nnz real (non-padding) tokens in the batch, cu_seqlens the cumulative sequence
-lengths `(S + 1,)` int32 starting at 0 (S sequences; S = B for a padded batch, more for a packed one). The bucketed
-layout (CPU) groups the sequences by length and pads each group g of s_g sequences to its longest, T_g: P rows in all.
+lengths `(S + 1,)` int32 starting at 0 (S sequences; S = B for a padded batch, more for a packed one), P the rows the
+unpadded encoder runs on. Two layouts:
+
+- exact (P = nnz, `VarlenBatch`): the varlen kernels below; on CUDA, and for training under torch.compile;
+- bucketed (`BucketedBatch`, CPU): sequences sorted by length into a few groups, each padded to its longest (P a few
+  percent over nnz), so that attention takes each group as a plain padded batch straight from views of the rows: no
+  copies per layer, no per-sequence calls. On CPU this measured fastest (benchmarks/RESULTS.md); copies cost more than
+  the few padded rows there.
+
+Under torch.compile the steps that need the batch's values on the host (how many real tokens, which groups) run as
+custom ops with data-dependent output sizes (`torch.library.custom_op`), so the compiled graph has no graph break and
+no recompilation per batch; eager runs the same functions directly.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+try:  # optional: flash-attention's variable-length kernel, used on CUDA for fp16/bf16
+    from flash_attn import flash_attn_varlen_func
+except (ImportError, OSError, RuntimeError):  # not installed, or built against another torch / CUDA
+    flash_attn_varlen_func = None
 
+# A new group (one more SDPA call) must save more than this many padded rows. Measured on MiniLM, 2 CPU threads: 0 to 8
+# are within a few percent of each other on an idle machine, larger costs pad more; 8 holds up best when the cores are
+# shared (an SDPA call then waits for both threads to be scheduled). benchmarks/RESULTS.md has the figures.
+BUCKET_GROUP_COST = 8
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Padding helpers: small pure functions
+# ---------------------------------------------------------------------------------------------------------------------
 def unpad_indices(attention_mask: torch.Tensor, nnz: int) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_mask: (B, T) of 0/1 with `nnz` ones -> indices (nnz,) into the flattened (B * T) positions,
     cu_seqlens (B + 1,). Any padding layout (right, left, holes). Knowing nnz avoids a host-device sync."""
@@ -30,22 +59,26 @@ def pad(x: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torc
     return out.unflatten(0, (batch, seqlen))
 
 
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """position_ids: (nnz,) restarting at 0 for every packed sequence -> cu_seqlens (S + 1,)."""
-    starts = torch.nonzero(position_ids == 0, as_tuple=False).flatten()  # (S,)
-    return torch.cat([starts, starts.new_tensor([position_ids.numel()])]).to(torch.int32)
-
-
-def cu_seqlens_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
-    """seq_idx: (nnz,) the index of the packed sequence of each token (non-decreasing) -> cu_seqlens (S + 1,)."""
-    _, counts = torch.unique_consecutive(seq_idx, return_counts=True)  # (S,)
-    return F.pad(torch.cumsum(counts, dim=0, dtype=torch.int32), (1, 0))
+def sequence_starts(position_ids: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The first token of each packed sequence, (nnz,) bool: where `seq_idx` (the index of each token's sequence)
+    changes, else where `position_ids` restart at 0; token 0 always starts one."""
+    if seq_idx is not None:
+        starts = F.pad(seq_idx[1:] != seq_idx[:-1], (1, 0))
+    else:
+        starts = position_ids == 0
+    return starts.index_fill(0, torch.zeros(1, dtype=torch.long, device=starts.device), True)
 
 
 def sequence_mask(cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """cu_seqlens (S + 1,) -> (S, max_seqlen) bool, True on the real tokens of each (left-aligned) sequence."""
     seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).unsqueeze(-1)  # (S, 1)
     return torch.arange(max_seqlen, device=cu_seqlens.device) < seqlens
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool -> additive mask of the same shape: 0 where allowed, the dtype's minimum elsewhere (finite, so a row with
+    nothing allowed still gives a finite softmax)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def length_groups(seqlens: list[int], group_cost: int) -> list[list[int]]:
@@ -76,7 +109,9 @@ def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]]):
         of its last token up to its group's longest length T_g (P = sum of s_g * T_g);
     real (P,) bool: the rows that hold their token for the first time (nnz of them);
     first (S,): the row of each sequence's first token (0 for an empty sequence);
-    shapes: (s_g, T_g) per group."""
+    shapes: (s_g, T_g) per group.
+
+    With no token at all (nnz = 0), one filler row holding token 0 (so that `first` points at a row)."""
     starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (S,)
     first = torch.zeros_like(starts)
     rows, real, shapes, offset = [], [], [], 0
@@ -89,5 +124,219 @@ def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]]):
         first[g] = offset + torch.arange(len(group), device=starts.device) * T_g
         shapes.append((len(group), T_g))
         offset += len(group) * T_g
-    empty = starts.new_zeros(0)
-    return (torch.cat(rows) if rows else empty), (torch.cat(real) if real else empty.bool()), first, shapes
+    if not groups:
+        return starts.new_zeros(1), torch.zeros(1, dtype=torch.bool, device=starts.device), first, [(1, 1)]
+    return torch.cat(rows), torch.cat(real), first, shapes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention kernels: q, k, v (P, N, D) -> (P, N, D), each token attending to the keys of its own sequence only
+# ---------------------------------------------------------------------------------------------------------------------
+class VarlenBatch(NamedTuple):
+    """The exact layout (P = nnz): what attention needs to treat the rows as S separate sequences."""
+
+    cu_seqlens: torch.Tensor  # (S + 1,) int32
+    max_seqlen: int
+    indices: torch.Tensor  # (nnz,) each token's place in the left-aligned (S * max_seqlen) layout
+    key_mask: torch.Tensor  # (S, 1, 1, max_seqlen) additive: 0 on real keys, dtype min on padding
+
+    @classmethod
+    def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, nnz: int, dtype: torch.dtype) -> "VarlenBatch":
+        cu = cu_seqlens.long()
+        sequence = torch.bucketize(torch.arange(nnz, device=cu.device), cu[1:], right=True)  # (nnz,)
+        indices = sequence * max_seqlen + torch.arange(nnz, device=cu.device) - cu[sequence]  # (nnz,)
+        key_mask = additive_mask(sequence_mask(cu_seqlens, max_seqlen), dtype)[:, None, None, :]
+        return cls(cu_seqlens, max_seqlen, indices, key_mask)
+
+    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
+        return varlen_kernel(q)(q, k, v, self, scaling, dropout)
+
+
+def flash_varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """flash-attention's variable-length kernel (CUDA, fp16/bf16): no padding anywhere."""
+    cu, t = batch.cu_seqlens, batch.max_seqlen
+    return flash_attn_varlen_func(q, k, v, cu, cu, t, t, dropout_p=dropout, softmax_scale=scaling)
+
+
+def nested_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """SDPA on jagged nested tensors: on CUDA, torch's own varlen flash / memory-efficient kernels."""
+    offsets = batch.cu_seqlens.long()
+    q, k, v = (
+        torch.nested.nested_tensor_from_jagged(t.contiguous(), offsets, max_seqlen=batch.max_seqlen).transpose(1, 2)
+        for t in (q, k, v)
+    )  # each (S, N, j, D), j the ragged length
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)  # (S, N, j, D)
+    return y.transpose(1, 2).values()  # (nnz, N, D)
+
+
+def repadded_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """SDPA on the sequences laid out left-aligned at their own longest length T' (often shorter than the batch's T),
+    padding keys masked. Static shapes and one call: the kernel under torch.compile and the fallback elsewhere."""
+    S = batch.cu_seqlens.shape[0] - 1
+    qkv = pad(torch.stack((q, k, v), dim=1), batch.indices, S, batch.max_seqlen)  # (S, T', 3, N, D)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (S, N, T', D)
+    key_mask = batch.key_mask.to(q.dtype)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=dropout, scale=scaling)  # (S, N, T', D)
+    return unpad(y.transpose(1, 2), batch.indices)  # (nnz, N, D)
+
+
+def varlen_kernel(q: torch.Tensor):
+    """The fastest exact varlen kernel for q's device and dtype (capabilities detected, never configured)."""
+    if q.is_cuda and not torch.compiler.is_compiling():
+        if flash_attn_varlen_func is not None and q.dtype in (torch.float16, torch.bfloat16):
+            return flash_varlen_attention
+        if hasattr(torch.nested, "nested_tensor_from_jagged"):
+            return nested_attention
+    return repadded_attention
+
+
+def bucketed_attention(q, k, v, real: torch.Tensor, shapes, scaling: float, dropout: float) -> torch.Tensor:
+    """The bucketed layout's attention: q, k, v (P, N, D) -> (P, N, D), one SDPA call per group on views of q, k, v.
+    real: (P,) bool, the rows that hold real tokens (the others are filler, masked as keys); shapes: (s_g, T_g)."""
+    sizes = [s * t for s, t in shapes]
+    y = []
+    for (s, t), r, qg, kg, vg in zip(shapes, real.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes)):
+        qg, kg, vg = (x.unflatten(0, (s, t)).transpose(1, 2) for x in (qg, kg, vg))  # each (s_g, N, T_g, D)
+        mask = additive_mask(r.view(s, 1, 1, t), qg.dtype)  # (s_g, 1, 1, T_g): filler keys masked
+        yg = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        y.append(yg.transpose(1, 2).flatten(0, 1))  # (s_g * T_g, N, D)
+    return torch.cat(y) if len(y) > 1 else y[0]
+
+
+class BucketedBatch(NamedTuple):
+    """The bucketed layout: groups of sequences padded to their group's longest, laid out one after the other."""
+
+    real: torch.Tensor  # (P,) bool, the rows holding a real token (the others repeat their sequence's last token)
+    shapes: list[tuple[int, int]] | torch.Tensor  # (s_g, T_g) per group, in row order; a (G, 2) tensor when traced
+
+    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
+        if isinstance(self.shapes, torch.Tensor):  # traced: the group loop runs inside one opaque op
+            return torch.ops.bert_impl.bucketed_attention(q, k, v, self.real, self.shapes, scaling)
+        return bucketed_attention(q, k, v, self.real, self.shapes, scaling, dropout)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Custom ops for torch.compile: the host-side steps, opaque to the compiler, with data-dependent output sizes
+# ---------------------------------------------------------------------------------------------------------------------
+def _bucketed_layout(tokens: torch.Tensor, cu_seqlens: torch.Tensor, group_cost: int):
+    """tokens (nnz,) positions in the flattened batch, cu_seqlens (S + 1,) -> grid (P,) the position each row holds,
+    real (P,) bool, real_rows (nnz,) the rows that hold a real token once, first (S,), shapes (G, 2)."""
+    groups = length_groups((cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), group_cost)
+    rows, real, first, shapes = bucketed_rows(cu_seqlens, groups)
+    grid = tokens[rows] if tokens.numel() else tokens.new_zeros(rows.shape)  # no tokens: the filler row, position 0
+    return grid, real, real.nonzero().flatten(), first, shapes
+
+
+def _register_custom_ops() -> None:
+    """Once per process (a saved folder's copy of this file, loaded as remote code, finds them registered)."""
+    if hasattr(torch.ops.bert_impl, "bucketed_attention"):
+        return
+
+    @torch.library.custom_op("bert_impl::nonzero", mutates_args=())
+    def nonzero(x: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(x.flatten()).flatten()
+
+    @nonzero.register_fake
+    def _(x):
+        return x.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.long)
+
+    @torch.library.custom_op("bert_impl::bucketed_layout", mutates_args=())
+    def bucketed_layout(tokens: torch.Tensor, cu_seqlens: torch.Tensor, group_cost: int) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        *tensors, shapes = _bucketed_layout(tokens, cu_seqlens, group_cost)
+        return *tensors, torch.tensor(shapes, dtype=torch.long, device=tokens.device).view(-1, 2)
+
+    @bucketed_layout.register_fake
+    def _(tokens, cu_seqlens, group_cost):
+        ctx = torch.library.get_ctx()
+        P, nnz, G = ctx.new_dynamic_size(), ctx.new_dynamic_size(), ctx.new_dynamic_size()
+        long = dict(dtype=torch.long, device=tokens.device)
+        real = torch.empty(P, dtype=torch.bool, device=tokens.device)
+        return (torch.empty(P, **long), real, torch.empty(nnz, **long),
+                torch.empty(cu_seqlens.shape[0] - 1, **long), torch.empty(G, 2, **long))
+
+    @torch.library.custom_op("bert_impl::bucketed_attention", mutates_args=())
+    def bucketed_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor,
+                              shapes: torch.Tensor, scaling: float) -> torch.Tensor:
+        return bucketed_attention(q, k, v, real, shapes.tolist(), scaling, 0.0)
+
+    @bucketed_attention_op.register_fake
+    def _(q, k, v, real, shapes, scaling):
+        return torch.empty_like(q)
+
+
+_register_custom_ops()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The interface the encoder calls
+# ---------------------------------------------------------------------------------------------------------------------
+def cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, num_sequences: int | None) -> torch.Tensor:
+    """The (S + 1,) int32 boundaries of a packed (1, nnz) batch, from whichever marker the collator gave.
+    num_sequences: S read on the host (eager, no further sync), or None when traced."""
+    if cu_seq_lens_q is not None:
+        return cu_seq_lens_q.flatten().to(torch.int32)
+    starts = sequence_starts(position_ids.flatten(), seq_idx.flatten() if seq_idx is not None else None)  # (nnz,)
+    if num_sequences is None:
+        boundaries = torch.ops.bert_impl.nonzero(starts)  # (S,)
+    else:
+        boundaries = torch.nonzero_static(starts, size=num_sequences).flatten()  # (S,)
+    return torch.cat([boundaries, boundaries.new_tensor([starts.numel()])]).to(torch.int32)
+
+
+class UnpaddedLayout(NamedTuple):
+    """Where the unpadded encoder's P rows come from in the (B, T) input and go back to; built once per forward."""
+
+    grid: torch.Tensor  # (P,) each row's position in the flattened (B * T) input
+    real: torch.Tensor | None  # (nnz,) the rows that hold real tokens, once each; None when every row does
+    first: torch.Tensor  # (S,) the row of each sequence's first token ([CLS])
+    attention: VarlenBatch | BucketedBatch
+    shape: tuple[int, int]  # (B, T)
+
+    @classmethod
+    def build(cls, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, shape: tuple[int, int],
+              nnz: int | None, max_seqlen: int | None, dtype: torch.dtype, device: torch.device,
+              bucketed: bool) -> "UnpaddedLayout":
+        """From a padded batch's (B, T) attention_mask, or a packed (1, T) batch's cu_seqlens (S + 1,).
+
+        nnz, max_seqlen: the real tokens and the longest sequence, read on the host (eager), or None when traced
+        (then a padded batch's sequences are laid out at the batch's length T; a packed batch's at `max_seqlen` if
+        given, else at T). bucketed: the bucketed layout (CPU), else the exact one."""
+        B, T = shape
+        traced = nnz is None
+        if cu_seqlens is not None:  # packed, (1, T): every position is a token
+            tokens = torch.arange(T, device=device)  # (nnz,)
+        elif traced:
+            tokens = torch.ops.bert_impl.nonzero(attention_mask)  # (nnz,)
+            cu_seqlens = F.pad(torch.cumsum(attention_mask.sum(-1, dtype=torch.int32), 0, dtype=torch.int32), (1, 0))
+        else:
+            tokens, cu_seqlens = unpad_indices(attention_mask, nnz)  # (nnz,), (S + 1,)
+        if bucketed:
+            if traced:
+                grid, real, real_rows, first, shapes = torch.ops.bert_impl.bucketed_layout(
+                    tokens, cu_seqlens, BUCKET_GROUP_COST)
+            else:
+                grid, real, real_rows, first, shapes = _bucketed_layout(tokens, cu_seqlens, BUCKET_GROUP_COST)
+            return cls(grid, real_rows, first, BucketedBatch(real, shapes), shape)
+        nnz = tokens.shape[0]
+        max_seqlen = T if max_seqlen is None else max_seqlen
+        first = cu_seqlens[:-1].clamp(max=nnz - 1).long()  # (S,); an empty sequence points at a neighbour
+        return cls(tokens, None, first, VarlenBatch.build(cu_seqlens, max_seqlen, nnz, dtype), shape)
+
+    def unpad(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, T, ...) -> (P, ...)."""
+        return unpad(t, self.grid) if t is not None else None
+
+    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
+        """q, k, v: (P, N, D) -> (P, N, D), each token attending to the keys of its own sequence only."""
+        return self.attention.attend(q, k, v, scaling, dropout)
+
+    def repad(self, h: torch.Tensor) -> torch.Tensor:
+        """(P, ...) -> (B, T, ...), zeros at padding."""
+        if self.real is None:
+            return pad(h, self.grid, *self.shape)
+        return pad(h[self.real], self.grid[self.real], *self.shape)
+
+    def first_tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """(P, ...) -> (S, ...): the row of each sequence's first token."""
+        return h[self.first]

@@ -6,9 +6,8 @@ unpadded encoder runs on (nnz, or a few more in the CPU's bucketed layout).
 
 The encoder runs padded or unpadded. Padded: (B, T, H) with an additive attention mask, through transformers'
 attention functions (`eager`, `sdpa`, ...). Unpadded: (P, H), every dense layer on (nearly) real tokens only,
-attention per sequence: exact varlen kernels from `cu_seqlens` (flash-attention, jagged SDPA) on CUDA, sequences
-bucketed by length on CPU. The model unpads once per forward when the batch has padding or is packed, and re-pads its
-outputs once at the end.
+attention per sequence. The model unpads once per forward when the batch has padding or is packed, and re-pads its
+outputs once at the end; how (layouts, varlen kernels) is bert_padding.py's business.
 """
 
 from dataclasses import dataclass
@@ -42,22 +41,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 
-from .bert_padding import (
-    bucketed_rows,
-    cu_seqlens_from_position_ids,
-    cu_seqlens_from_seq_idx,
-    length_groups,
-    pad,
-    sequence_mask,
-    unpad,
-    unpad_indices,
-)
+from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, sequence_starts
 from .configuration_bert_impl import BertImplConfig
-
-try:  # optional: flash-attention's variable-length kernel, used on CUDA for fp16/bf16
-    from flash_attn import flash_attn_varlen_func
-except (ImportError, OSError, RuntimeError):  # not installed, or built against another torch / CUDA
-    flash_attn_varlen_func = None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -105,122 +90,6 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-# The unpadded encoder runs on P rows (not B * T positions) in one of two layouts, each knowing how to attend:
-# - VarlenBatch, exact (P = nnz): the varlen kernels below; on CUDA, and on any device under torch.compile.
-# - BucketedBatch (CPU): sequences sorted by length into a few groups, each padded to its longest (P a few percent over
-#   nnz), so that attention takes each group as a plain padded batch straight from views of the rows: no copies per
-#   layer, no per-sequence calls. On CPU this measured fastest (benchmarks/RESULTS.md); copies cost more than the
-#   few padded rows there.
-class VarlenBatch(NamedTuple):
-    """What attention needs to treat (nnz, ...) tokens as S separate sequences; built once per forward."""
-
-    cu_seqlens: torch.Tensor  # (S + 1,) int32
-    max_seqlen: int
-    indices: torch.Tensor  # (nnz,) each token's place in the left-aligned (S * max_seqlen) layout
-    key_mask: torch.Tensor  # (S, 1, 1, max_seqlen) additive: 0 on real keys, dtype min on padding
-
-    @classmethod
-    def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, nnz: int, dtype: torch.dtype) -> "VarlenBatch":
-        real = sequence_mask(cu_seqlens, max_seqlen)  # (S, max_seqlen)
-        indices = torch.nonzero_static(real.flatten(), size=nnz).flatten()  # (nnz,)
-        return cls(cu_seqlens, max_seqlen, indices, additive_mask(real, dtype)[:, None, None, :])
-
-    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
-        """q, k, v: (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own sequence only."""
-        return varlen_kernel(q)(q, k, v, self, scaling, dropout)
-
-
-class BucketedBatch(NamedTuple):
-    """Groups of sequences padded to their group's longest, laid out one after the other; built once per forward."""
-
-    shapes: tuple[tuple[int, int], ...]  # (s_g, T_g) per group, in row order: group g is s_g * T_g rows
-    key_masks: tuple[torch.Tensor, ...]  # (s_g, 1, 1, T_g) per group, additive: 0 on real keys, dtype min on filler
-
-    @classmethod
-    def build(cls, real: torch.Tensor, shapes: list[tuple[int, int]], dtype: torch.dtype) -> "BucketedBatch":
-        """real: (P,) bool, the rows holding real tokens; shapes from `bucketed_rows`."""
-        groups = real.split([s * t for s, t in shapes])
-        masks = tuple(additive_mask(r.view(s, t), dtype)[:, None, None, :] for r, (s, t) in zip(groups, shapes))
-        return cls(tuple(shapes), masks)
-
-    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
-        """q, k, v: (P, N, D) -> (P, N, D), one SDPA call per group on views of q, k, v."""
-        sizes = [s * t for s, t in self.shapes]
-        y = []
-        for (s, t), mask, qg, kg, vg in zip(self.shapes, self.key_masks, q.split(sizes), k.split(sizes), v.split(sizes)):
-            qg, kg, vg = (x.unflatten(0, (s, t)).transpose(1, 2) for x in (qg, kg, vg))  # each (s_g, N, T_g, D)
-            yg = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask.to(qg.dtype), dropout_p=dropout, scale=scaling)
-            y.append(yg.transpose(1, 2).flatten(0, 1))  # (s_g * T_g, N, D)
-        return torch.cat(y) if len(y) > 1 else y[0]
-
-
-# A new group (one more SDPA call) must save more than this many padded rows. Measured on MiniLM, 2 CPU threads: 0 to 8
-# are within a few percent of each other on an idle machine, larger costs pad more; 8 holds up best when the cores are
-# shared (an SDPA call then waits for both threads to be scheduled). benchmarks/RESULTS.md has the figures.
-BUCKET_GROUP_COST = 8
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool -> additive mask of the same shape: 0 where allowed, the dtype's minimum elsewhere (finite, so a row with
-    nothing allowed still gives a finite softmax)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-# Varlen kernels for the exact layout: q, k, v (nnz, N, D) -> (nnz, N, D), each token attending to the keys of its own
-# sequence only. `varlen_kernel` picks the fastest one the hardware offers.
-def flash_varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
-    """flash-attention's variable-length kernel (CUDA, fp16/bf16): no padding anywhere."""
-    cu, t = batch.cu_seqlens, batch.max_seqlen
-    return flash_attn_varlen_func(q, k, v, cu, cu, t, t, dropout_p=dropout, softmax_scale=scaling)
-
-
-def nested_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
-    """SDPA on jagged nested tensors: on CUDA, torch's own varlen flash / memory-efficient kernels."""
-    offsets = batch.cu_seqlens.long()
-    q, k, v = (
-        torch.nested.nested_tensor_from_jagged(t.contiguous(), offsets, max_seqlen=batch.max_seqlen).transpose(1, 2)
-        for t in (q, k, v)
-    )  # each (S, N, j, D), j the ragged length
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)  # (S, N, j, D)
-    return y.transpose(1, 2).values()  # (nnz, N, D)
-
-
-def repadded_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
-    """SDPA on the sequences laid out left-aligned at their own longest length T' (often shorter than the batch's T),
-    padding keys masked. Static shapes and one call: the kernel under torch.compile and the fallback elsewhere."""
-    S = batch.cu_seqlens.numel() - 1
-    qkv = pad(torch.stack((q, k, v), dim=1), batch.indices, S, batch.max_seqlen)  # (S, T', 3, N, D)
-    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (S, N, T', D)
-    key_mask = batch.key_mask.to(q.dtype)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=dropout, scale=scaling)  # (S, N, T', D)
-    return unpad(y.transpose(1, 2), batch.indices)  # (nnz, N, D)
-
-
-def varlen_kernel(q: torch.Tensor):
-    """The fastest exact varlen kernel for q's device and dtype (capabilities detected, never configured)."""
-    if q.is_cuda and not torch.compiler.is_compiling():
-        if flash_attn_varlen_func is not None and q.dtype in (torch.float16, torch.bfloat16):
-            return flash_varlen_attention
-        if hasattr(torch.nested, "nested_tensor_from_jagged"):
-            return nested_attention
-    return repadded_attention
-
-
-class UnpaddedLayout(NamedTuple):
-    """Where the unpadded encoder's P rows come from in the (B, T) input and go back to; built once per forward."""
-
-    grid: torch.Tensor  # (P,) each row's position in the flattened (B * T) input
-    real: torch.Tensor | None  # (nnz,) the rows that hold real tokens, once each; None when every row does
-    first: torch.Tensor  # (S,) the row of each sequence's first token ([CLS])
-    attention: VarlenBatch | BucketedBatch
-
-    def repad(self, h: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
-        """(P, ...) -> (B, T, ...), zeros at padding."""
-        if self.real is None:
-            return pad(h, self.grid, batch, seqlen)
-        return pad(h[self.real], self.grid[self.real], batch, seqlen)
-
-
 class BertImplAttention(nn.Module):
     """Multi-head self-attention with one fused QKV projection."""
 
@@ -237,10 +106,9 @@ class BertImplAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.out = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x, attention_mask=None, varlen: VarlenBatch | BucketedBatch | None = None,
-                output_attentions: bool = False):
+    def forward(self, x, attention_mask=None, varlen: UnpaddedLayout | None = None, output_attentions: bool = False):
         dropout = self.dropout if self.training else 0.0
-        if varlen is not None:  # x: (P, H), the rows of an unpadded layout
+        if varlen is not None:  # x: (P, H), the rows of an unpadded layout (bert_padding.py)
             q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # each (P, N, D)
             y, weights = varlen.attend(q, k, v, self.scaling, dropout), None  # (P, N, D)
         else:  # x: (B, T, H)
@@ -275,8 +143,7 @@ class BertImplLayer(GradientCheckpointingLayer):
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, x, attention_mask=None, varlen: VarlenBatch | BucketedBatch | None = None,
-                output_attentions: bool = False):
+    def forward(self, x, attention_mask=None, varlen: UnpaddedLayout | None = None, output_attentions: bool = False):
         a, weights = self.attn(x, attention_mask, varlen, output_attentions)
         x = self.attn_norm(x + self.dropout(a))
         x = self.ffn_norm(x + self.dropout(self.ffn(x)))
@@ -467,6 +334,17 @@ class BertImplPreTrainedModel(PreTrainedModel):
             json.dump(config, f, indent=2, sort_keys=True)
 
 
+class BatchFacts(NamedTuple):
+    """What the encoder's forward needs to know about a batch (`_check_inputs`); None where only the host could say
+    (eager reads them, a traced graph does not)."""
+
+    packed: bool  # sequences concatenated in one row (DataCollatorWithFlattening)
+    unpaddable: bool  # padded or packed, so the unpadded encoder has work to skip
+    nnz: int | None  # real tokens
+    max_seqlen: int | None  # the longest sequence
+    num_sequences: int | None  # S of a packed batch
+
+
 class BertImplModel(BertImplPreTrainedModel):
     """The bidirectional encoder: embeddings, L post-LN layers and (optionally) the tanh pooler on [CLS]."""
 
@@ -507,16 +385,18 @@ class BertImplModel(BertImplPreTrainedModel):
 
         With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states at padding
         positions are zero when the unpadded path ran (`config.unpad_inputs`), unspecified otherwise.
+        `attention_mask` holds 0 (padding) and 1 (token), as bool, integers or floats; other values are refused.
+
+        Under `torch.compile` the unpadded path runs too (its host-side steps as custom ops, bert_padding.py); under
+        `torch.export` the graph is the padded path, and only `cu_seq_lens_q` / `seq_idx` mark a packed batch.
         """
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        if cu_seq_lens_k is not None and (cu_seq_lens_q is None or not torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
-            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: BERT's self-attention has one set of sequences")
-
-        B, T, stats = self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+        B, T, batch = self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                         cu_seq_lens_q, cu_seq_lens_k, seq_idx)
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if token_type_ids is None:
             token_type_ids = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -524,17 +404,11 @@ class BertImplModel(BertImplPreTrainedModel):
             position_ids = torch.arange(T, device=device).expand(B, T)
         position_ids = position_ids.expand(B, T)
 
-        marked = cu_seq_lens_q is not None or seq_idx is not None
-        packed = marked or (B == 1 and attention_mask is None and stats["restarts"] > 0)
-        if marked and B != 1:
-            raise ValueError(f"a packed batch has batch size 1 (sequences concatenated), got input of shape {(B, T)}")
-        has_padding = stats["nnz"] < B * T
-        if packed and has_padding:
-            raise ValueError("a packed batch (cu_seq_lens_q or seq_idx) has no padding: its attention_mask must be all ones")
-        packed_cu_seqlens = self._packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids) if packed else None  # (S + 1,)
+        packed_cu_seqlens = (
+            cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, batch.num_sequences) if batch.packed else None
+        )  # (S + 1,)
         unpadded = (
-            (packed or has_padding)
-            and stats["nnz"] > 0  # a batch of padding only runs padded: nothing to unpad
+            batch.unpaddable
             and self.config.unpad_inputs
             and not output_attentions
             and self.config._attn_implementation != "eager"
@@ -542,21 +416,26 @@ class BertImplModel(BertImplPreTrainedModel):
 
         if unpadded:
             dtype = inputs_embeds.dtype if inputs_embeds is not None else self.embeddings.word_embeddings.weight.dtype
-            layout = self._unpadded_layout(attention_mask, stats, packed_cu_seqlens, max_length_q, T, device, dtype)
-            flat = lambda t: unpad(t, layout.grid) if t is not None else None  # (B, T, ...) -> (P, ...)
-            x = self.embeddings(flat(input_ids), flat(token_type_ids), flat(position_ids), flat(inputs_embeds))  # (P, H)
-            varlen, repad = layout.attention, (lambda h: layout.repad(h, B, T))
+            layout = UnpaddedLayout.build(
+                attention_mask, packed_cu_seqlens, (B, T), batch.nnz, batch.max_seqlen or max_length_q, dtype, device,
+                # CPU: the bucketed layout; when training under torch.compile, the exact one (the bucketed attention
+                # is then an opaque op without a backward)
+                bucketed=device.type == "cpu" and not (torch.compiler.is_compiling() and torch.is_grad_enabled()),
+            )
+            x = self.embeddings(*map(layout.unpad, (input_ids, token_type_ids, position_ids, inputs_embeds)))  # (P, H)
+            repad = layout.repad
             mask = None
         else:
+            layout = None
             x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
-            varlen, repad = None, (lambda h: h)
+            repad = lambda h: h  # noqa: E731
             implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
             mask = self._padded_attention_mask(x, attention_mask, packed_cu_seqlens, implementation)
 
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for layer in self.layers:
-            x, weights = layer(x, mask, varlen, output_attentions)
+            x, weights = layer(x, mask, layout, output_attentions)
             if output_hidden_states:
                 all_hidden.append(repad(x))
             if output_attentions:
@@ -564,9 +443,9 @@ class BertImplModel(BertImplPreTrainedModel):
 
         pooled = None
         if self.pooler is not None:  # [CLS] is the first real token of each sequence
-            if varlen is not None:
-                pooled = self.pooler(x[layout.first])
-            elif packed:
+            if layout is not None:
+                pooled = self.pooler(layout.first_tokens(x))
+            elif batch.packed:
                 pooled = self.pooler(x[0, packed_cu_seqlens[:-1].long()])
             else:
                 first = (attention_mask != 0).int().argmax(-1) if attention_mask is not None else torch.zeros(B, dtype=torch.long, device=device)
@@ -581,31 +460,12 @@ class BertImplModel(BertImplPreTrainedModel):
         )
         return out if return_dict else out.to_tuple()
 
-    def _unpadded_layout(self, attention_mask, stats, packed_cu_seqlens, max_length_q, T, device,
-                         dtype) -> UnpaddedLayout:
-        """The rows the unpadded encoder runs on: the real tokens (exact layout) on CUDA and under torch.compile, the
-        bucketed layout on CPU (see BucketedBatch). `packed_cu_seqlens` is given for a packed batch, else None."""
-        packed = packed_cu_seqlens is not None
-        if packed:  # (1, T): every position is a token
-            tokens, cu_seqlens = torch.arange(T, device=device), packed_cu_seqlens  # (nnz,), (S + 1,)
-        else:
-            tokens, cu_seqlens = unpad_indices(attention_mask, stats["nnz"])  # (nnz,), (S + 1,)
-        if device.type == "cpu" and not torch.compiler.is_compiling():
-            groups = length_groups((cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), BUCKET_GROUP_COST)
-            rows, real, first, shapes = bucketed_rows(cu_seqlens, groups)  # (P,), (P,), (S,)
-            return UnpaddedLayout(tokens[rows], real.nonzero().flatten(), first, BucketedBatch.build(real, shapes, dtype))
-        if packed:
-            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-            max_seqlen = int(max_length_q) if max_length_q is not None else int(lengths.max())
-        else:
-            max_seqlen = stats["max_seqlen"]
-        nnz = tokens.numel()
-        first = cu_seqlens[:-1].clamp(max=max(nnz - 1, 0)).long()  # (S,)
-        return UnpaddedLayout(tokens, None, first, VarlenBatch.build(cu_seqlens, max_seqlen, nnz, dtype))
-
-    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds):
-        """Validate shapes, dtypes and id ranges with a clear ValueError. Returns B, T and the batch statistics the
-        forward needs (real-token count, longest sequence, position restarts), all read in ONE host-device sync."""
+    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
+                      cu_seq_lens_k, seq_idx) -> tuple[int, int, "BatchFacts"]:
+        """Validate shapes, dtypes and values with a clear ValueError naming the argument, the value and what is
+        expected. Returns B, T and the facts the forward needs about the batch. Eager: everything data-dependent is
+        read in ONE host-device sync. Traced (torch.compile, torch.export): nothing is read; the value checks become
+        one runtime assert in the graph, and the facts the host cannot know are None."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if input_ids is not None:
@@ -619,9 +479,12 @@ class BertImplModel(BertImplPreTrainedModel):
                     f"got shape {tuple(inputs_embeds.shape)}"
                 )
             B, T = inputs_embeds.shape[:2]
+        if B == 0:
+            raise ValueError("empty batch: the batch size is 0")
         if T == 0:
             raise ValueError("empty sequences: seq_len is 0")
-        for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+        for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids),
+                        ("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k), ("seq_idx", seq_idx)):
             if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
                 raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
         for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
@@ -634,39 +497,91 @@ class BertImplModel(BertImplPreTrainedModel):
                 f"sequence length {T} is longer than the position table (max_position_embeddings="
                 f"{self.config.max_position_embeddings}); truncate the input"
             )
+        marked = cu_seq_lens_q is not None or seq_idx is not None
+        if marked and B != 1:
+            raise ValueError(f"a packed batch has batch size 1 (sequences concatenated), got input of shape {(B, T)}")
+        if cu_seq_lens_k is not None and (cu_seq_lens_q is None or cu_seq_lens_k.shape != cu_seq_lens_q.shape):
+            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: BERT's self-attention has one set of sequences")
+        if cu_seq_lens_q is not None and (cu_seq_lens_q.dim() != 1 or cu_seq_lens_q.shape[0] < 2):
+            raise ValueError(f"cu_seq_lens_q must be (num_sequences + 1,), got shape {tuple(cu_seq_lens_q.shape)}")
+        if seq_idx is not None and seq_idx.numel() != T:
+            raise ValueError(f"seq_idx has shape {tuple(seq_idx.shape)}; expected (1, {T})")
 
-        # Everything data-dependent in one small tensor, fetched once.
-        zero = torch.zeros((), dtype=torch.long, device=(input_ids if input_ids is not None else inputs_embeds).device)
-        ids = input_ids if input_ids is not None else zero
-        types = token_type_ids if token_type_ids is not None else zero
-        positions = position_ids if position_ids is not None else zero
-        real = attention_mask != 0 if attention_mask is not None else None
-        stats = torch.stack([
-            ids.min(), ids.max(), types.min(), types.max(), positions.min(), positions.max(),
-            real.sum() if real is not None else zero + B * T,
-            real.sum(-1).max() if real is not None else zero + T,
-            (positions[..., 1:] == 0).sum() if position_ids is not None else zero,
-        ]).tolist()
-        id_min, id_max, type_min, type_max, pos_min, pos_max, nnz, max_seqlen, restarts = stats
-        if input_ids is not None and (id_min < 0 or id_max >= self.config.vocab_size):
-            bad = id_min if id_min < 0 else id_max
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
-        if type_min < 0 or type_max >= self.config.type_vocab_size:
-            bad = type_min if type_min < 0 else type_max
-            raise ValueError(f"token type id {bad} is outside [0, type_vocab_size={self.config.type_vocab_size})")
-        if pos_min < 0 or pos_max >= self.config.max_position_embeddings:
-            bad = pos_min if pos_min < 0 else pos_max
-            raise ValueError(f"position id {bad} is outside the position table [0, {self.config.max_position_embeddings})")
-        return B, T, {"nnz": nnz, "max_seqlen": max_seqlen, "restarts": restarts}
-
-    @staticmethod
-    def _packed_cu_seqlens(cu_seq_lens_q, seq_idx, position_ids) -> torch.Tensor:
-        """The (S + 1,) boundaries of a packed (1, nnz) batch, from whichever marker the collator gave."""
+        # Every value check as (value, lowest allowed, highest allowed, message), then every value read at once.
+        V, types, positions = self.config.vocab_size, self.config.type_vocab_size, self.config.max_position_embeddings
+        checks = []
+        if input_ids is not None:
+            checks += [(input_ids.min(), 0, V - 1, f"token id {{}} is outside the vocabulary [0, {V})"),
+                       (input_ids.max(), 0, V - 1, f"token id {{}} is outside the vocabulary [0, {V})")]
+        if token_type_ids is not None:
+            message = f"token type id {{}} is outside [0, type_vocab_size={types})"
+            checks += [(token_type_ids.min(), 0, types - 1, message), (token_type_ids.max(), 0, types - 1, message)]
+        if position_ids is not None:
+            message = f"position id {{}} is outside the position table [0, {positions})"
+            checks += [(position_ids.min(), 0, positions - 1, message), (position_ids.max(), 0, positions - 1, message)]
+        if attention_mask is not None:  # the first value that is neither 0 nor 1, else 0
+            bad = ((attention_mask != 0) & (attention_mask != 1)).flatten()
+            value = torch.where(bad, attention_mask.flatten(), 0).gather(0, bad.int().argmax()[None])[0]
+            checks.append((value, 0, 0, "attention_mask holds {}; expected 0 (padding) or 1 (token)"))
         if cu_seq_lens_q is not None:
-            return cu_seq_lens_q.to(torch.int32)
-        if seq_idx is not None:
-            return cu_seqlens_from_seq_idx(seq_idx.flatten())
-        return cu_seqlens_from_position_ids(position_ids.flatten())
+            cu = cu_seq_lens_q
+            checks += [(cu[0], 0, 0, "cu_seq_lens_q starts at {}; expected 0 (cumulative sequence lengths)"),
+                       (cu[-1], T, T, f"cu_seq_lens_q ends at {{}}; expected the packed length {T}"),
+                       ((cu[1:] - cu[:-1]).min(), 0, float("inf"),
+                        "cu_seq_lens_q must not decrease (cumulative sequence lengths); a step of {} found")]
+            if cu_seq_lens_k is not None:
+                checks.append(((cu_seq_lens_k != cu).sum(), 0, 0,
+                               "cu_seq_lens_k must equal cu_seq_lens_q; {} entries differ"))
+        if marked and attention_mask is not None:
+            checks.append(((attention_mask == 0).sum(), 0, 0, "a packed batch (cu_seq_lens_q or seq_idx) has no "
+                           "padding: its attention_mask must be all ones, it has {} zeros"))
+
+        if torch.compiler.is_compiling():
+            if checks:
+                values = torch.stack([c[0].double() for c in checks])
+                low, high = (values.new_tensor([c[i] for c in checks]) for i in (1, 2))
+                torch._assert_async(((values >= low) & (values <= high)).all(),
+                                    "bert-impl: an input value is out of range; run the model eagerly for which")
+            # Packing needs its markers: under export only cu_seq_lens_q / seq_idx count (the exported graph stays
+            # free of data-dependent shapes); under torch.compile also position_ids with B = 1 (one sequence when
+            # they do not restart: the same result as unpacked).
+            packed = marked or (
+                B == 1 and attention_mask is None and position_ids is not None and not torch.compiler.is_exporting()
+            )
+            padded = attention_mask is not None and not packed
+            unpaddable = (packed or padded) and not torch.compiler.is_exporting()
+            return B, T, BatchFacts(packed, unpaddable, None, None, None)
+
+        # Eager: the batch's own statistics in the same read.
+        facts = []
+        if attention_mask is not None:
+            real = attention_mask != 0
+            facts += [real.sum(), real.sum(-1).max()]  # real tokens, longest sequence
+        packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
+        if packable and cu_seq_lens_q is not None:
+            cu = cu_seq_lens_q
+            facts += [cu.new_tensor(cu.shape[0] - 1), (cu[1:] - cu[:-1]).max()]  # sequences, longest sequence
+        elif packable:  # the sequences and the longest run between their starts
+            starts = sequence_starts(position_ids.flatten() if position_ids is not None else None,
+                                     seq_idx.flatten() if seq_idx is not None else None)  # (T,)
+            start_of = torch.cummax(torch.where(starts, torch.arange(T, device=starts.device), 0), 0).values
+            facts += [starts.sum(), (torch.arange(T, device=starts.device) - start_of).max() + 1]
+        read = [c[0].double() for c in checks] + [f.double() for f in facts]
+        stacked = torch.stack(read).tolist() if read else []
+        values, facts = stacked[:len(checks)], [int(f) for f in stacked[len(checks):]]
+        for value, (_, low, high, message) in zip(values, checks):
+            if not low <= value <= high:  # NaN fails too
+                raise ValueError(message.format(int(value) if value.is_integer() else value))
+
+        nnz, max_seqlen = facts[:2] if attention_mask is not None else (B * T, T)
+        num_sequences, packed = None, marked
+        if packable:
+            num_sequences, packed_max = facts[-2:]
+            packed = marked or num_sequences > 1
+            if packed:
+                max_seqlen = packed_max
+        # A batch of padding only runs padded: nothing to unpad.
+        return B, T, BatchFacts(packed, (packed or nnz < B * T) and nnz > 0, nnz, max_seqlen, num_sequences)
 
     def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str):
         """The padded path's mask for x (B, T, H), made by transformers' mask interface in the form `implementation`

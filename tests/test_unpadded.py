@@ -8,12 +8,11 @@ import torch.nn.functional as F
 import transformers
 from transformers import BertModel, DataCollatorWithFlattening
 
-import modeling_bert_impl.modeling_bert_impl as mbi
+import modeling_bert_impl.bert_padding as bp
 from modeling_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
 from modeling_bert_impl.bert_padding import (
     bucketed_rows,
-    cu_seqlens_from_position_ids,
-    cu_seqlens_from_seq_idx,
+    cu_seqlens_from_markers,
     length_groups,
     pad,
     sequence_mask,
@@ -51,8 +50,13 @@ def test_unpad_pad_round_trip():
 
 
 def test_cu_seqlens_from_packing_markers():
-    assert cu_seqlens_from_position_ids(torch.tensor([0, 1, 2, 0, 1, 0])).tolist() == [0, 3, 5, 6]
-    assert cu_seqlens_from_seq_idx(torch.tensor([0, 0, 1, 1, 1, 2])).tolist() == [0, 2, 5, 6]
+    for num_sequences in (3, None):  # read on the host (eager), or not (traced: a custom op of data-dependent size)
+        positions = torch.tensor([0, 1, 2, 0, 1, 0])
+        assert cu_seqlens_from_markers(None, None, positions, num_sequences).tolist() == [0, 3, 5, 6]
+        seq_idx = torch.tensor([0, 0, 1, 1, 1, 2])
+        assert cu_seqlens_from_markers(None, seq_idx, positions, num_sequences).tolist() == [0, 2, 5, 6]
+    # a first sequence that does not start at position 0 is still a sequence
+    assert cu_seqlens_from_markers(None, None, torch.tensor([3, 4, 0, 1]), 2).tolist() == [0, 2, 4]
     assert sequence_mask(torch.tensor([0, 2, 2, 5]), 3).tolist() == [[1, 1, 0], [0, 0, 0], [1, 1, 1]]
 
 
@@ -86,13 +90,13 @@ LENGTHS = [5, 0, 9, 1, 7, 7]
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # on CPU, jagged SDPA falls back to math
-@pytest.mark.parametrize("kernel", [mbi.repadded_attention, mbi.nested_attention], ids=lambda k: k.__name__)
+@pytest.mark.parametrize("kernel", [bp.repadded_attention, bp.nested_attention], ids=lambda k: k.__name__)
 def test_varlen_kernels_exact(kernel):
     torch.manual_seed(0)
     cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).int()
     qkv = torch.randn(sum(LENGTHS), 3, 2, 8, requires_grad=True)
     q, k, v = qkv.unbind(1)
-    batch = mbi.VarlenBatch.build(cu_seqlens, max(LENGTHS), sum(LENGTHS), torch.float32)
+    batch = bp.VarlenBatch.build(cu_seqlens, max(LENGTHS), sum(LENGTHS), torch.float32)
     expected = attention_per_sequence(q, k, v, LENGTHS, 0.3)
     got = kernel(q, k, v, batch, 0.3, 0.0)
     assert (got - expected).abs().max() < TOL
@@ -107,9 +111,8 @@ def test_bucketed_layout_exact(group_cost):
     cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).int()
     qkv = torch.randn(sum(LENGTHS), 3, 2, 8, requires_grad=True)
     rows, real, _, shapes = bucketed_rows(cu_seqlens, length_groups(LENGTHS, group_cost))
-    batch = mbi.BucketedBatch.build(real, shapes, torch.float32)
     q, k, v = qkv[rows].unbind(1)  # (P, N, D) each
-    got = batch.attend(q, k, v, 0.3, 0.0)[real]  # real rows, sorted by length
+    got = bp.bucketed_attention(q, k, v, real, shapes, 0.3, 0.0)[real]  # real rows, sorted by length
     expected = attention_per_sequence(*qkv.unbind(1), LENGTHS, 0.3)[rows[real]]
     assert (got - expected).abs().max() < TOL
     grad = torch.randn_like(got)
@@ -120,7 +123,7 @@ def test_bucketed_layout_exact(group_cost):
 def test_kernel_choice_on_this_machine():
     q = torch.randn(4, 2, 8)
     if not q.is_cuda:
-        assert mbi.varlen_kernel(q) is mbi.repadded_attention  # exact layout on CPU: under torch.compile only
+        assert bp.varlen_kernel(q) is bp.repadded_attention  # exact layout on CPU: training under torch.compile
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -177,14 +180,18 @@ def test_batch_of_padding_only_runs():
     assert out.last_hidden_state.shape == (2, 5, 32) and torch.isfinite(out.pooler_output).all()
 
 
-def test_compiled_model_takes_exact_layout_and_matches():
+def test_compiled_model_matches_in_both_layouts():
+    """Under torch.compile: inference takes the bucketed layout (its host steps as custom ops), training the exact one."""
     torch.manual_seed(0)
     model = BertImplModel(BertImplConfig(**TINY)).eval()
     batch = mixed_batch(99, [9, 3, 0, 14, 6], left={3})
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
         expected = model(**batch).last_hidden_state  # bucketed layout
-        got = torch.compile(model, backend="aot_eager")(**batch).last_hidden_state  # exact layout, re-padded kernel
+        got = compiled(**batch).last_hidden_state  # bucketed layout, custom ops
     assert real_diff(got, expected, batch["attention_mask"]) <= TOL
+    got = compiled(**batch).last_hidden_state  # with grad: exact layout, re-padded kernel
+    assert real_diff(got.detach(), expected, batch["attention_mask"]) <= TOL
 
 
 def test_gradients_equal_padded_unpadded_eager():
@@ -276,8 +283,8 @@ def test_layers_compile_without_graph_breaks():
     inputs = {
         "padded": (torch.randn(3, 9, config.hidden_size), model._padded_attention_mask(
             torch.randn(3, 9, config.hidden_size), sequence_mask(cu_seqlens, 9).long(), None, "sdpa"), None),
-        "exact": (x, None, mbi.VarlenBatch.build(cu_seqlens, 9, sum(lengths), torch.float32)),
-        "bucketed": (x[rows], None, mbi.BucketedBatch.build(real, shapes, torch.float32)),
+        "exact": (x, None, bp.VarlenBatch.build(cu_seqlens, 9, sum(lengths), torch.float32)),
+        "bucketed": (x[rows], None, bp.BucketedBatch(real, shapes)),
     }
     for name, args in inputs.items():
         torch._dynamo.reset()

@@ -1,0 +1,159 @@
+"""Export a bert-impl model (or a stock BERT folder) to ONNX, with dynamic batch and sequence axes, checked against
+PyTorch in onnxruntime:
+
+    python -m modeling_bert_impl.export MODEL OUTPUT_DIR [--task TASK] [--overwrite]
+    bert-impl-export MODEL OUTPUT_DIR ...                  (the same, as a console script)
+
+MODEL is a folder or a Hub id; TASK one of the keys of TASKS (default: the folder's architecture). OUTPUT_DIR gets
+model.onnx (weights inside, or beside it in model.onnx.data above 1 GiB), config.json (as stock BERT's), the
+tokenizer files when MODEL has them, and export.json (what was exported and the measured max |diff| against PyTorch
+on a padded sample batch of another shape than the one exported). The graph is torch.export's
+of the padded path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask, token_type_ids, each
+(batch, sequence), or (batch, choices, sequence) for multiple choice.
+"""
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+TASKS = {  # task -> our class
+    "feature-extraction": "BertImplModel",
+    "pretraining": "BertImplForPreTraining",
+    "fill-mask": "BertImplForMaskedLM",
+    "next-sentence-prediction": "BertImplForNextSentencePrediction",
+    "text-classification": "BertImplForSequenceClassification",
+    "token-classification": "BertImplForTokenClassification",
+    "question-answering": "BertImplForQuestionAnswering",
+    "multiple-choice": "BertImplForMultipleChoice",
+}
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+SAMPLE_TEXTS = ["The quick brown fox jumps over the lazy dog.", "Short.", "BERT reads text in both directions at once."]
+
+
+def default_task(config) -> str:
+    """The task of the folder's architecture (ours or stock BERT's name), feature-extraction without one."""
+    for architecture in getattr(config, "architectures", None) or []:
+        name = architecture.replace("BertImpl", "Bert", 1).replace("Bert", "BertImpl", 1)  # stock or ours -> ours
+        for task, cls in TASKS.items():
+            if cls == name:
+                return task
+    return "feature-extraction"
+
+
+def sample_batch(tokenizer, config, texts: list[str], choices: int | None) -> dict:
+    """A padded batch of `texts` (real token ids through the tokenizer, else random ids of the texts' lengths in
+    words); (B, C, T) for multiple choice, each text paired with C endings."""
+    if choices:
+        texts = [t for t in texts for _ in range(choices)]
+    if tokenizer is not None:
+        second = [f"ending {i % (choices or 1)}" for i in range(len(texts))]
+        batch = tokenizer(texts, second, padding=True, return_tensors="pt")
+        batch = {k: batch[k] for k in INPUTS}
+    else:
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.tensor([len(t.split()) + 2 for t in texts])
+        T = int(lengths.max())
+        mask = (torch.arange(T) < lengths[:, None]).long()
+        ids = torch.randint(1, config.vocab_size, mask.shape, generator=g) * mask
+        batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    return {k: v.view(-1, choices, v.shape[-1]) for k, v in batch.items()} if choices else batch
+
+
+def max_abs_diff(outputs: list, expected: list, mask: torch.Tensor) -> float:
+    """max |diff| over all outputs; outputs over (B, T) positions compared on the real tokens only."""
+    worst = 0.0
+    for got, want in zip(outputs, expected):
+        got = torch.from_numpy(got)
+        if tuple(want.shape[:mask.dim()]) == tuple(mask.shape):
+            got, want = got[mask.bool()], want[mask.bool()]
+        worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+def export(model_id: str, output_dir: str, task: str | None = None, overwrite: bool = False, atol: float = 1e-4,
+           opset: int | None = None) -> float:
+    """Write `output_dir`/model.onnx and its companions; returns the measured max |diff| (raises above `atol`)."""
+    import onnxruntime
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    import modeling_bert_impl as bi
+
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        raise SystemExit(f"{output_dir} exists and is not empty; choose another folder, or pass --overwrite to replace "
+                         "the files there")
+    transformers.logging.disable_progress_bar()
+    config = AutoConfig.from_pretrained(model_id)
+    task = task or default_task(config)
+    model = getattr(bi, TASKS[task]).from_pretrained(model_id).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError):
+        tokenizer = None
+    choices = 2 if task == "multiple-choice" else None
+
+    example = sample_batch(tokenizer, model.config, SAMPLE_TEXTS[:2], choices)
+    with torch.no_grad():
+        output_names = list(model(**example).keys())
+    batch = torch.export.Dim("batch")
+    sequence = torch.export.Dim("sequence", max=model.config.max_position_embeddings)
+    axes = {0: batch, 2: sequence} if choices else {0: batch, 1: sequence}
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "model.onnx")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            model, (), path, kwargs=example, input_names=list(INPUTS), output_names=output_names,
+            dynamic_shapes={name: axes for name in INPUTS}, dynamo=True, opset_version=opset, verbose=False,
+            external_data=sum(p.numel() * p.element_size() for p in model.parameters()) > 2**30,  # one file below 1 GiB
+        )
+    del program
+
+    # Check: onnxruntime against PyTorch on a batch of another size and length than the exported example.
+    check = sample_batch(tokenizer, model.config, SAMPLE_TEXTS, choices)
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    outputs = session.run(output_names, {name: check[name].numpy() for name in INPUTS})
+    with torch.no_grad():
+        expected = list(model(**check).values())
+    diff = max_abs_diff(outputs, expected, check["attention_mask"])
+    print(f"{model_id} ({task}, {type(model).__name__}) -> {path}")
+    print(f"inputs {list(INPUTS)}, outputs {output_names}; onnxruntime vs PyTorch on a "
+          f"{tuple(check['input_ids'].shape)} batch: max |diff| {diff:.2e} (tolerance {atol:g})")
+
+    # The config as stock BERT's (what the graph computes), so that plain transformers reads it beside the ONNX model
+    config = model.config.to_dict()
+    for key in ("auto_map", "unpad_inputs", "sparse_prediction"):
+        config.pop(key, None)
+    config.update(model_type="bert", architectures=[type(model).__name__.replace("BertImpl", "Bert", 1)])
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(output_dir)
+    with open(os.path.join(output_dir, "export.json"), "w") as f:
+        json.dump({"model": model_id, "task": task, "class": type(model).__name__, "inputs": list(INPUTS),
+                   "outputs": output_names, "max_abs_diff": diff, "tolerance": atol, "torch": torch.__version__,
+                   "onnxruntime": onnxruntime.__version__}, f, indent=2)
+    if not diff <= atol:
+        raise SystemExit(f"FAILED: the ONNX model differs from PyTorch by {diff:.2e} > {atol:g}; do not use {path}")
+    return diff
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bert-impl-export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a model folder or Hub id (bert-impl or stock BERT)")
+    parser.add_argument("output_dir", help="where to write model.onnx (must be empty or new, unless --overwrite)")
+    parser.add_argument("--task", choices=list(TASKS), default=None,
+                        help="the head to export (default: the model's architecture)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty output_dir")
+    parser.add_argument("--atol", type=float, default=1e-4, help="largest max |diff| against PyTorch accepted")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: torch.onnx's)")
+    args = parser.parse_args(argv)
+    export(args.model, args.output_dir, args.task, args.overwrite, args.atol, args.opset)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Deployment: every class through torch.export (dynamic batch and sequence) and torch.onnx.export(dynamo=True), run as
+an ExportedProgram and in onnxruntime on a padded mixed-length batch of another shape than the export example, against
+eager; torch.compile(fullgraph=True) on padded and packed batches; the export command end to end on MiniLM.
+
+Small random configs, fp32, eval mode. Outputs over (B, T) positions are compared on the real tokens (eager's unpadded
+path leaves zeros at padding, the exported padded path whatever attention gives there)."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, DataCollatorWithFlattening
+
+import modeling_bert_impl as bi
+from modeling_bert_impl import BertImplConfig
+
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+TOL = 1e-4
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=37,
+            max_position_embeddings=64, num_labels=3)
+CLASSES = ["BertImplModel", "BertImplForPreTraining", "BertImplForMaskedLM", "BertImplForNextSentencePrediction",
+           "BertImplForSequenceClassification", "BertImplForTokenClassification", "BertImplForQuestionAnswering",
+           "BertImplForMultipleChoice"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def onnx_op_table_built_once():
+    """torch.onnx rebuilds its table of ONNX functions from onnxscript on every export (most of an export's time for
+    a model this small); the table does not change within a process, so the tests build it once."""
+    from torch.onnx._internal.exporter import _registration
+
+    module = _registration._torchlib_registry
+    original = module.get_torchlib_ops
+    module.get_torchlib_ops = functools.cache(original)
+    yield
+    module.get_torchlib_ops = original
+
+
+def padded_batch(lengths: list[int], seed: int, choices: int | None = None) -> dict:
+    """Random ids right-padded to the longest of `lengths`, (B, T); (B // choices, choices, T) for multiple choice."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    mask = (torch.arange(T) < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(1, TINY["vocab_size"], mask.shape, generator=g) * mask
+    batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": (torch.arange(T) >= T // 2).long() * mask}
+    return {k: v.view(-1, choices, T) for k, v in batch.items()} if choices else batch
+
+
+def max_diff(got, expected, mask) -> float:
+    """max |diff|, over the real tokens where the tensors are (B, T, ...) like the mask."""
+    got, expected = torch.as_tensor(got), torch.as_tensor(expected)
+    if got.shape[:mask.dim()] == mask.shape:
+        got, expected = got[mask.bool()], expected[mask.bool()]
+    return (got - expected).abs().max().item()
+
+
+def export_class(name: str):
+    """The model, its exported program with dynamic batch and sequence dims, and the same as an ONNX program."""
+    torch.manual_seed(0)
+    config = BertImplConfig(**{**TINY, "num_labels": 2 if name == "BertImplForQuestionAnswering" else 3})
+    model = getattr(bi, name)(config).eval()
+    choices = 2 if name == "BertImplForMultipleChoice" else None
+    example = padded_batch([9, 4, 7, 9], seed=0, choices=choices)
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=config.max_position_embeddings)
+    dims = {0: batch, 2: seq} if choices else {0: batch, 1: seq}
+    with torch.no_grad():
+        program = torch.export.export(model, (), example, dynamic_shapes={k: dims for k in example})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onnx_program = torch.onnx.export(program, dynamo=True, verbose=False)
+    return model, program, onnx_program, choices
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_every_class_exports_with_dynamic_shapes_and_runs_in_onnxruntime(name, tmp_path):
+    model, program, onnx_program, choices = export_class(name)
+    batch = padded_batch([5, 13, 2, 8, 11, 13], seed=1, choices=choices)  # another B and T than the example
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        expected = [t for t in model(**batch).to_tuple()]
+        exported = program.module()(**batch).to_tuple()
+    assert len(exported) == len(expected)
+    for got, want in zip(exported, expected):
+        assert got.shape == want.shape and max_diff(got, want, mask) <= TOL
+
+    path = tmp_path / "model.onnx"
+    onnx_program.save(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == list(batch)
+    outputs = session.run(None, {k: v.numpy() for k, v in batch.items()})
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected):
+        assert got.shape == tuple(want.shape) and max_diff(got, want, mask) <= TOL
+
+
+def test_static_export_also_with_the_padded_path():
+    """Static shapes, and `unpad_inputs=False` (which the issue found failing too)."""
+    torch.manual_seed(0)
+    model = bi.BertImplModel(BertImplConfig(**TINY, unpad_inputs=False)).eval()
+    batch = padded_batch([6, 3, 6], seed=2)
+    with torch.no_grad():
+        program = torch.export.export(model, (), batch)
+        got, expected = program.module()(**batch), model(**batch)
+    assert max_diff(got.last_hidden_state, expected.last_hidden_state, batch["attention_mask"]) <= TOL
+    assert max_diff(got.pooler_output, expected.pooler_output, batch["attention_mask"]) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True): padded and packed batches, no recompilation per batch
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return bi.BertImplModel(BertImplConfig(**TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).eval()
+
+
+def test_compiled_fullgraph_padded_batches_match_eager_without_recompiling(tiny_model):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # process-wide: other tests' compilations count there too
+    compiled = torch.compile(tiny_model, fullgraph=True, backend="aot_eager", dynamic=True)
+    for seed, lengths in enumerate([[9, 3, 14, 6], [5, 20, 7], [11, 2, 30, 8, 8]]):
+        batch = padded_batch(lengths, seed)
+        with torch.no_grad():
+            got, expected = compiled(**batch), tiny_model(**batch)
+        assert max_diff(got.last_hidden_state, expected.last_hidden_state, batch["attention_mask"]) <= 1e-5
+        assert max_diff(got.pooler_output, expected.pooler_output, batch["attention_mask"]) <= 1e-5
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # three shapes, one graph
+
+    # training under compile (the exact layout): same outputs and gradients as eager
+    batch = padded_batch([9, 3, 14, 6], 0)
+    grads = []
+    for model in (compiled, tiny_model):
+        tiny_model.zero_grad()
+        out = model(**batch)
+        (out.last_hidden_state.sum() + out.pooler_output.sum()).backward()
+        grads.append([p.grad.clone() for p in tiny_model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1])
+    assert all((a - b).abs().max() <= 1e-5 * max(1, b.abs().max()) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("marker", ["position_ids", "cu_seq_lens_q", "seq_idx"])
+def test_compiled_fullgraph_packed_batches_match_eager(tiny_model, marker):
+    options = {"position_ids": {}, "cu_seq_lens_q": {"return_flash_attn_kwargs": True},
+               "seq_idx": {"return_seq_idx": True}}[marker]
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(1, 99, (n,), generator=g).tolist() for n in (7, 19, 3, 11)]
+    packed = DataCollatorWithFlattening(**options)([{"input_ids": s} for s in sequences])
+    packed.pop("labels")
+    torch._dynamo.reset()
+    compiled = torch.compile(tiny_model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got, expected = compiled(**packed), tiny_model(**packed)
+    assert got.pooler_output.shape == (4, 32)  # one row per packed sequence
+    assert (got.last_hidden_state - expected.last_hidden_state).abs().max() <= 1e-5
+    assert (got.pooler_output - expected.pooler_output).abs().max() <= 1e-5
+
+
+def test_compiled_model_refuses_bad_values_with_a_traced_assert(tiny_model):
+    torch._dynamo.reset()
+    compiled = torch.compile(tiny_model, fullgraph=True, backend="aot_eager")
+    batch = padded_batch([4, 6], seed=4)
+    batch["input_ids"][0, 1] = 99  # outside the vocabulary of 99
+    with pytest.raises(RuntimeError, match="out of range"), torch.no_grad():
+        compiled(**batch)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The export command, end to end on a folder made from MiniLM
+# ---------------------------------------------------------------------------------------------------------------------
+def test_export_command_on_minilm(minilm_dir, tmp_path):
+    model_dir, out = tmp_path / "classifier", tmp_path / "onnx"
+    torch.manual_seed(0)
+    bi.BertImplForSequenceClassification.from_pretrained(minilm_dir, num_labels=2).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(model_dir)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    command = [sys.executable, "-m", "modeling_bert_impl.export", str(model_dir), str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "max |diff|" in proc.stdout
+    assert (out / "model.onnx").exists() and (out / "tokenizer.json").exists()
+
+    # The written model in onnxruntime, on text the command never saw, against PyTorch.
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    texts = ["Export to ONNX, then serve.", "A much longer sentence, so that the batch is padded on the other row."]
+    batch = tokenizer(texts, padding=True, return_tensors="np")
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    logits = session.run(["logits"], {i.name: batch[i.name] for i in session.get_inputs()})[0]
+    model = bi.BertImplForSequenceClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        expected = model(**{k: torch.from_numpy(v) for k, v in batch.items()}).logits.numpy()
+    assert np.abs(logits - expected).max() <= TOL
+    assert json.loads((out / "export.json").read_text())["max_abs_diff"] <= TOL
+
+    # A second run into the same folder is refused unless told
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode != 0 and "--overwrite" in again.stderr
