@@ -430,7 +430,8 @@ class BertImplModel(BertImplPreTrainedModel):
             x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
             repad = lambda h: h  # noqa: E731
             implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
-            mask = self._padded_attention_mask(x, attention_mask, packed_cu_seqlens, implementation)
+            padding = None if batch.nnz is None else batch.nnz < B * T  # None: traced, the host cannot say
+            mask = self._padded_attention_mask(x, attention_mask, packed_cu_seqlens, implementation, padding)
 
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
@@ -583,14 +584,19 @@ class BertImplModel(BertImplPreTrainedModel):
         # A batch of padding only runs padded: nothing to unpad.
         return B, T, BatchFacts(packed, (packed or nnz < B * T) and nnz > 0, nnz, max_seqlen, num_sequences)
 
-    def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str):
+    def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str,
+                               padding: bool | None = None):
         """The padded path's mask for x (B, T, H), made by transformers' mask interface in the form `implementation`
         takes: additive float (B, 1, T, T) for eager (masked scores at the dtype's minimum, so a row that is all
         padding still gives finite, uniform attention), bool for sdpa, a BlockMask for flex attention, the (B, T) mask
         for flash attention; None when nothing is masked. A packed batch (`packed_cu_seqlens`, no padding) attends
-        block-diagonally: each token to its own sequence only."""
+        block-diagonally: each token to its own sequence only. `padding` is whether the batch has padding, as the
+        forward's one host read found (None when traced): knowing it, transformers need not look into the mask for
+        itself (`mask.all()`, a second host-device sync)."""
         B, T = x.shape[:2]
-        mask_function, skip_if_unmasked = bidirectional_mask_function, True
+        if padding is False:
+            attention_mask = None  # all ones: nothing to mask but, for a packed batch, the sequence boundaries
+        mask_function, skip_if_unmasked = bidirectional_mask_function, padding is not True
         if packed_cu_seqlens is not None:
             if implementation.startswith("flash_attention"):
                 raise ValueError(
