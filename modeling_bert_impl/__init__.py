@@ -36,6 +36,7 @@ _register()
 from tokenization import BertImplTokenizer  # noqa: E402
 
 from .model_card import write_model_card  # noqa: E402
+from .serving import optimize_for_inference  # noqa: E402
 
 __all__ = [
     "PRESETS",
@@ -52,4 +53,5 @@ __all__ = [
     "BertImplForMultipleChoice",
     "BertImplTokenizer",
     "write_model_card",
+    "optimize_for_inference",
 ]
