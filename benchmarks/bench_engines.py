@@ -69,7 +69,7 @@ def workloads(quick: bool) -> list[dict]:
     """The five workloads: name, unit ("tok/s" or "ms"), batches."""
     generator = torch.Generator().manual_seed(0)
     vocab = 30522
-    n_mixed, n_latency = (2, 6) if quick else (4, 20)
+    n_mixed, n_latency = (1, 4) if quick else (3, 10)
 
     def mixed(lo, hi, batch, n):
         return [make_batch(sentence_lengths(lo, hi, batch, generator), vocab, generator) for _ in range(n)]
