@@ -27,13 +27,16 @@ class PackedLinear(nn.Linear):
     """nn.Linear with a oneDNN-packed copy of its weight for calls without autograd; `activation` (a key of
     ACTIVATIONS) is applied to the output, inside the same oneDNN call on the packed path."""
 
+    activation, _packed, _packed_key = "none", None, None
+
     def packed(self, activation: str = "none") -> "PackedLinear":
         self.activation = activation
         self._packed, self._packed_key = None, None
         return self
 
     def forward(self, x):  # (..., in) -> (..., out)
-        if torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type) or x.dtype != self.weight.dtype:
+        eligible = x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32
+        if not eligible or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
             y = F.linear(x, self.weight, self.bias)
             return y if ACTIVATIONS[self.activation] is None else ACTIVATIONS[self.activation](y)
         key = (self.weight.data_ptr(), self.weight._version)  # changes when the weight is replaced or updated in place
@@ -44,12 +47,12 @@ class PackedLinear(nn.Linear):
 
 
 def packable(module: nn.Module) -> bool:
-    """A plain nn.Linear with float32 / bfloat16 weights on CPU, and a torch built with oneDNN."""
+    """A plain nn.Linear with float32 weights on CPU, and a torch built with oneDNN."""
     return (
         type(module) is nn.Linear
         and torch.backends.mkldnn.is_available()
         and module.weight.device.type == "cpu"
-        and module.weight.dtype in (torch.float32, torch.bfloat16)
+        and module.weight.dtype == torch.float32
     )
 
 
@@ -60,9 +63,10 @@ def is_exact_gelu(act) -> bool:
 def optimize_for_inference(model: nn.Module) -> nn.Module:
     """Set `model` to eval mode and pack its linear layers for CPU inference, in place; returns the model.
 
-    Every CPU float32 / bfloat16 `nn.Linear` becomes a `PackedLinear` (its class is swapped: parameters, hooks, tied
-    weights and optimizer references are untouched); in each feed-forward block with the exact GELU, the GELU moves
-    into the first linear layer. Layers it cannot pack (GPU, other dtypes, a torch without oneDNN) stay as they are."""
+    Every CPU float32 `nn.Linear` becomes a `PackedLinear` (its class is swapped: parameters, hooks, tied weights and
+    optimizer references are untouched); in each feed-forward block with the exact GELU, the GELU moves into the first
+    linear layer. Layers it cannot pack (GPU, other dtypes, a torch without oneDNN) stay as they are, and a packed
+    layer moved to another device or dtype later runs as a plain `nn.Linear` again."""
     model.eval()
     for module in model.modules():
         if packable(module):
