@@ -119,7 +119,8 @@ class LastHiddenState(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, token_type_ids):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        return out.last_hidden_state
 
 
 def ort_engine(model_dir: str, workdir: str) -> Engine:
@@ -128,7 +129,8 @@ def ort_engine(model_dir: str, workdir: str) -> Engine:
 
     model = BertModel.from_pretrained(model_dir, attn_implementation="eager").eval()
     path = os.path.join(workdir, "model.onnx")
-    example = tuple(encoder_inputs(make_batch(torch.tensor([16, 9]), model.config.vocab_size, torch.Generator())).values())
+    example = encoder_inputs(make_batch(torch.tensor([16, 9]), model.config.vocab_size, torch.Generator()))
+    example = tuple(example.values())
     names = ["input_ids", "attention_mask", "token_type_ids"]
     axes = {name: {0: "batch", 1: "sequence"} for name in names} | {"last_hidden_state": {0: "batch", 1: "sequence"}}
     with warnings.catch_warnings():
@@ -311,7 +313,8 @@ def bench_finetuning(model_dir: str, steps: int):
         logits = {n: m(**encoder_inputs(first)).logits for n, m in models.items()}
     print(f"\nfine-tuning step (sequence classification, batch 32, lengths 8..128, AdamW); load average before "
           f"{loadavg()}")
-    print(f"  max |diff| of eval logits vs transformers: {(logits['bert-impl'] - logits['transformers']).abs().max():.1e}")
+    diff = (logits["bert-impl"] - logits["transformers"]).abs().max()
+    print(f"  max |diff| of eval logits vs transformers: {diff:.1e}")
     for name in models:  # warm-up
         step(name, first)
     rates = {name: [] for name in models}
@@ -339,8 +342,9 @@ def summary(results: dict, engines: list):
             cells = [f"{medians[e]:.2f}" if e in medians else "-" for e in engines]
             name += ", ms per call"
         else:
-            cells = [(f"{medians[e]:,.0f} ({medians[e] / base:.2f}x)" if e == "transformers" else f"{medians[e] / base:.2f}x")
-                     if e in medians else "-" for e in engines]
+            ratio = lambda e: f"{medians[e] / base:.2f}x"
+            cells = [(f"{medians[e]:,.0f} ({ratio(e)})" if e == "transformers" else ratio(e)) if e in medians else "-"
+                     for e in engines]
             name += ", real tok/s"
         print(f"| {name} | " + " | ".join(cells) + " |")
 

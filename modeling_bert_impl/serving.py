@@ -73,7 +73,7 @@ def optimize_for_inference(model: nn.Module) -> nn.Module:
             module.__class__ = PackedLinear
             module.packed()
     for module in model.modules():
-        if isinstance(module, BertImplFeedForward) and isinstance(module.up, PackedLinear) and is_exact_gelu(module.act):
+        if isinstance(module, BertImplFeedForward) and type(module.up) is PackedLinear and is_exact_gelu(module.act):
             module.up.packed("gelu")
             module.act = nn.Identity()
     return model

@@ -38,7 +38,7 @@ def test_serving_matches_transformers(models, lengths):
     assert (got.last_hidden_state[real] - expected.last_hidden_state[real]).abs().max() < 1e-5
     assert (got.pooler_output - expected.pooler_output).abs().max() < 1e-5
     linears = [m for m in served.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(isinstance(m, PackedLinear) and m._packed is not None for m in linears)  # the packed path ran
+    assert linears and all(isinstance(m, PackedLinear) and m._packed is not None for m in linears)  # packed path ran
     assert served.layers[0].ffn.up.activation == "gelu"  # and the GELU was fused
 
 
