@@ -134,6 +134,22 @@ def test_ner_sentence_with_fewer_tags_than_words(minilm_dir, tmp_path):
             match=("train.json, line 2", "one 'ner_tags' tag per 'tokens' word"))
 
 
+def test_conll_files_that_cannot_be_read_name_the_file_and_the_line(minilm_dir, tmp_path):
+    cases = {
+        "latin1.conll": ("-DOCSTART- -X- -X- O\n\nJos\u00e9 NNP B-NP B-PER\nleft VBD B-VP O\n".encode("latin-1"),
+                         ["latin1.conll, line 3, column 4: byte 0xe9 is not UTF-8", "save the file as UTF-8"]),
+        "empty.txt": (b"\n\n", ["empty.txt: the file is empty"]),
+        "docstart.conll": (b"-DOCSTART- -X- -X- O\n\n-DOCSTART- -X- -X- O\n\n",
+                           ["docstart.conll: no sentences, only -DOCSTART- and blank lines", "a blank line between"]),
+        "untagged.txt": (b"EU NNP B-NP B-ORG\nrejects\n", ["untagged.txt, line 2: expected a token and its tag"]),
+    }
+    for name, (content, match) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        refused(run_ner, minilm_dir, tmp_path / "out", "--train_file", tmp_path / name, "--do_train",
+                match=tuple(match))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
 def test_swag_label_outside_the_endings(minilm_dir, tmp_path):
     row = {"sent1": "Anna was hungry.", "sent2": "So she", "ending0": "ate.", "ending1": "slept.", "ending2": "ran.",
            "ending3": "sang."}
