@@ -528,8 +528,9 @@ class BertImplModel(BertImplPreTrainedModel):
             cu = cu_seq_lens_q
             checks += [(cu[0], 0, 0, "cu_seq_lens_q starts at {}; expected 0 (cumulative sequence lengths)"),
                        (cu[-1], T, T, f"cu_seq_lens_q ends at {{}}; expected the packed length {T}"),
-                       ((cu[1:] - cu[:-1]).min(), 0, float("inf"),
-                        "cu_seq_lens_q must not decrease (cumulative sequence lengths); a step of {} found")]
+                       ((cu[1:] - cu[:-1]).min(), 1, float("inf"),
+                        "cu_seq_lens_q must increase strictly (cumulative lengths of non-empty sequences); a step "
+                        "of {} found")]
             if cu_seq_lens_k is not None:
                 checks.append(((cu_seq_lens_k != cu).sum(), 0, 0,
                                "cu_seq_lens_k must equal cu_seq_lens_q; {} entries differ"))

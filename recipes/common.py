@@ -7,6 +7,7 @@ The recipes run as scripts (`python recipes/run_glue.py ...`, `torchrun ...`, `a
 folder is first on `sys.path`, so they import this module, `metrics` and `qa_utils` by their plain names.
 """
 
+import codecs
 import csv
 import json
 import logging
@@ -338,24 +339,53 @@ def sequence_length(data_args: DataArguments, tokenizer) -> int:
 # Data files
 # ---------------------------------------------------------------------------------------------------------------------
 TABLE_EXTENSIONS = ("csv", "tsv", "json", "jsonl")
+CHUNK_BYTES = 1 << 20  # what `text_chunks` reads at a time
+
+
+def text_chunks(path: str, chunk_bytes: int = CHUNK_BYTES):
+    """The text of a UTF-8 file, decoded a chunk at a time (memory: one chunk, whatever the file's size); a ValueError
+    naming the file (and, for bytes that are not UTF-8, the line and the column) when it is missing, empty (nothing but
+    whitespace) or not UTF-8. The errors come as the reading reaches them: read to the end before trusting the file."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    start, lines, line_start, has_text = 0, 0, 0, False  # offset of the chunk; newlines and last line's start before it
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            try:
+                text = decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                # error.object: the bytes of an unfinished character held back from the last chunk, then this chunk
+                bad = start - (len(error.object) - len(chunk)) + error.start
+                before = chunk[:max(bad - start, 0)]  # a held-back byte is never a newline
+                if b"\n" in before:
+                    lines, line_start = lines + before.count(b"\n"), start + before.rfind(b"\n") + 1
+                raise ValueError(f"{path}, line {lines + 1}, column {bad - line_start + 1}: byte "
+                                 f"{error.object[error.start]:#04x} is not UTF-8; save the file as UTF-8 (e.g. "
+                                 "`iconv -f latin1 -t utf-8 old > new`)") from None
+            if not chunk:
+                break
+            lines += chunk.count(b"\n")
+            if b"\n" in chunk:
+                line_start = start + chunk.rfind(b"\n") + 1
+            start += len(chunk)
+            has_text = has_text or bool(text.strip())
+            yield text
+    if not has_text:
+        raise ValueError(f"{path}: the file is empty")
+
+
+def check_text_file(path: str) -> None:
+    """`text_chunks`' checks, by reading the file through once without keeping it (for corpora of any size)."""
+    for _ in text_chunks(path):
+        pass
 
 
 def read_text(path: str) -> str:
-    """The text of a UTF-8 file; a ValueError naming the file (and the line) when it is missing, empty or not UTF-8."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
-        raise ValueError(f"{path}, line {line}, column {column}: byte {data[error.start]:#04x} is not UTF-8; save the "
-                         "file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 old > new`)") from None
-    if not text.strip():
-        raise ValueError(f"{path}: the file is empty")
-    return text
+    """The text of a UTF-8 file; a ValueError naming the file (and the line) when it is missing, empty or not UTF-8
+    (`text_chunks`)."""
+    return "".join(text_chunks(path))
 
 
 def csv_rows(path: str, text: str):

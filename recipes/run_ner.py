@@ -44,22 +44,26 @@ class DataArguments(common.DataArguments):
 
 
 def read_conll(path: str) -> datasets.Dataset:
-    """A CoNLL column file as a Dataset with columns id, tokens, ner_tags (tag strings)."""
+    """A CoNLL column file as a Dataset with columns id, tokens, ner_tags (tag strings). A ValueError naming the file
+    (and the line) when it is missing, empty, not UTF-8 (`common.read_text`), has a line without a tag, or holds no
+    sentence."""
     sentences, tokens, tags = [], [], []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            parts = line.split()
-            if not parts or parts[0] == "-DOCSTART-":
-                if tokens:
-                    sentences.append((tokens, tags))
-                    tokens, tags = [], []
-                continue
-            if len(parts) < 2:
-                raise ValueError(f"{path}:{number}: expected a token and its tag, got {line.strip()!r}")
-            tokens.append(parts[0])
-            tags.append(parts[-1])
+    for number, line in enumerate(common.read_text(path).split("\n"), 1):
+        parts = line.split()
+        if not parts or parts[0] == "-DOCSTART-":
+            if tokens:
+                sentences.append((tokens, tags))
+                tokens, tags = [], []
+            continue
+        if len(parts) < 2:
+            raise ValueError(f"{path}, line {number}: expected a token and its tag, got {line.strip()!r}")
+        tokens.append(parts[0])
+        tags.append(parts[-1])
     if tokens:
         sentences.append((tokens, tags))
+    if not sentences:
+        raise ValueError(f"{path}: no sentences, only -DOCSTART- and blank lines; a CoNLL file holds one word per line "
+                         "with its tag in the last column, and a blank line between sentences")
     return datasets.Dataset.from_dict({
         "id": [str(i) for i in range(len(sentences))],
         "tokens": [s[0] for s in sentences],

@@ -15,6 +15,7 @@ processes); evaluation adds eval_mlm_loss, eval_nsp_loss, eval_mlm_accuracy, eva
 """
 
 import copy
+import glob
 import logging
 import math
 import os
@@ -181,6 +182,37 @@ def load_hub_text(data_args: DataTrainingArguments, model_args: ModelArguments, 
     return datasets.interleave_datasets(parts) if data_args.streaming else datasets.concatenate_datasets(parts)
 
 
+def corpus_files(patterns: list[str]) -> list[str]:
+    """The files that --train_file / --validation_file `patterns` (paths or globs) name, each read through once
+    (`common.check_text_file`, a chunk at a time): a ValueError naming the file when one is missing, empty or not UTF-8
+    (with the line and column of the first bad byte), or when a glob matches nothing. Remote paths (`hf://`,
+    `https://`) are passed on unchecked."""
+    paths = []
+    for pattern in patterns:
+        if "://" in pattern:
+            paths.append(pattern)
+            continue
+        matched = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matched:
+            raise ValueError(f"{pattern}: no file matches")
+        for path in matched:
+            common.check_text_file(path)
+        paths += matched
+    return paths
+
+
+def file_sources(data_args: DataTrainingArguments) -> dict[str, str]:
+    """{split: the files it comes from, as given} for the error messages; {} for Hub data. A validation split held out
+    of the training files comes from them."""
+    def named(files: list[str]) -> str:
+        return ", ".join(files[:3]) + (f" (and {len(files) - 3} more)" if len(files) > 3 else "")
+
+    if data_args.dataset_name:
+        return {}
+    files = {"train": data_args.train_file, "validation": data_args.validation_file or data_args.train_file}
+    return {split: named(paths) for split, paths in files.items() if paths}
+
+
 def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArguments) -> tuple[dict, bool]:
     """{"train": ..., "validation": ...} of rows with a "text" column (either may be missing), and whether lines
     still need splitting into sentences (Hub text: yes; the BERT file format: no, a line is a sentence)."""
@@ -192,7 +224,8 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
             for name, config in hub_sources(data_args)
         )
     else:
-        files = {k: v for k, v in (("train", data_args.train_file), ("validation", data_args.validation_file)) if v}
+        files = {k: corpus_files(v) for k, v in (("train", data_args.train_file),
+                                                 ("validation", data_args.validation_file)) if v}
 
         def load(split):
             file_split = split.split("[")[0]
@@ -203,7 +236,7 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
     if data_args.train_file or data_args.dataset_name:
         raw["train"] = load("train")
         if not has_validation and pct > 0 and not data_args.streaming:
-            raw["train"], raw["validation"] = hold_out(raw["train"], pct)
+            raw["train"], raw["validation"] = hold_out(raw["train"], pct, file_sources(data_args).get("train"))
     if has_validation:
         raw["validation"] = load("validation")
     return raw, split_lines
@@ -212,16 +245,17 @@ def load_raw_datasets(data_args: DataTrainingArguments, model_args: ModelArgumen
 MIN_DOCUMENTS = 2  # NotNext pairs take their second segment from another document
 
 
-def hold_out(rows, pct: int):
+def hold_out(rows, pct: int, source: str | None = None):
     """(train, validation): the first `pct` percent of the rows (documents) held out, rounded as datasets' "train[:5%]"
     rounds, but at least MIN_DOCUMENTS, with a warning when the percentage rounds to fewer (10 documents at 5% round to
-    none). A ValueError when too few rows are left on either side."""
+    none). A ValueError when too few rows are left on either side, naming `source` (the files) when given."""
     n = len(rows)
     k = int(round(pct * n / 100))
     if n - max(k, MIN_DOCUMENTS) < MIN_DOCUMENTS:
-        raise ValueError(f"the training data holds {n} document(s): too few to hold out {pct}% for validation and keep "
-                         f"{MIN_DOCUMENTS} for training; give --validation_file, or --validation_split_percentage 0, "
-                         "and more documents (separated by blank lines)")
+        where = f"{source}: " if source else ""
+        raise ValueError(f"{where}the training data holds {n} document(s): too few to hold out {pct}% for validation "
+                         f"and keep {MIN_DOCUMENTS} for training; give --validation_file, or "
+                         "--validation_split_percentage 0, and more documents (separated by blank lines)")
     if k < MIN_DOCUMENTS:
         logger.warning(f"--validation_split_percentage {pct} of {n} documents rounds to {k}: holding out "
                        f"{MIN_DOCUMENTS} documents for validation")
@@ -229,8 +263,10 @@ def hold_out(rows, pct: int):
     return rows.select(range(k, n)), rows.select(range(k))
 
 
-def prepare_examples(raw_split, tokenizer, data_args: DataTrainingArguments, seed: int, split_lines: bool, name: str):
-    """Rows of text -> tokenized documents -> pre-training examples (columns of `EXAMPLE_FEATURES`), cached."""
+def prepare_examples(raw_split, tokenizer, data_args: DataTrainingArguments, seed: int, split_lines: bool, name: str,
+                     source: str | None = None):
+    """Rows of text -> tokenized documents -> pre-training examples (columns of `EXAMPLE_FEATURES`), cached. A split of
+    fewer than MIN_DOCUMENTS documents is a ValueError, naming `source` (the files it comes from) when given."""
     streaming = isinstance(raw_split, IterableDataset)
     map_kwargs = {} if streaming else {
         "num_proc": data_args.preprocessing_num_workers,
@@ -243,9 +279,10 @@ def prepare_examples(raw_split, tokenizer, data_args: DataTrainingArguments, see
         **map_kwargs, **describe("Tokenizing documents"),
     )
     if not streaming and len(documents) < MIN_DOCUMENTS:
-        raise ValueError(f"the {name} data holds {len(documents)} document(s) with text: BERT pre-training needs at "
-                         f"least {MIN_DOCUMENTS} (a NotNext pair takes its second segment from another document). In "
-                         "a --train_file or --validation_file, separate documents by a blank line")
+        where = f"{source}: " if source else ""
+        raise ValueError(f"{where}the {name} data holds {len(documents)} document(s) with text: BERT pre-training "
+                         f"needs at least {MIN_DOCUMENTS} (a NotNext pair takes its second segment from another "
+                         "document). In a --train_file or --validation_file, separate documents by a blank line")
     example_kwargs = {
         "seed": seed,
         "max_seq_length": data_args.max_seq_length,
@@ -440,9 +477,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     tokenizer = load_tokenizer(model_args)
     raw, split_lines = load_raw_datasets(data_args, model_args)
+    sources = file_sources(data_args)
     with training_args.main_process_first(desc="pre-training data"):
         splits = {
-            name: prepare_examples(raw_split, tokenizer, data_args, training_args.seed, split_lines, name)
+            name: prepare_examples(raw_split, tokenizer, data_args, training_args.seed, split_lines, name,
+                                   sources.get(name))
             for name, raw_split in raw.items()
         }
     train_dataset = truncate(splits.get("train"), data_args.max_train_samples) if training_args.do_train else None

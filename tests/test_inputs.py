@@ -1,5 +1,6 @@
 """The model's own inputs: values a collator or a user can get wrong are refused with a ValueError that names the
-argument, the value and what is expected, on every path (unpadded and padded), and checked in one host read."""
+argument, the value and what is expected, by every class (the encoder and its seven heads), on every path (unpadded and
+padded), and checked in one host read."""
 
 import pytest
 import torch
@@ -11,10 +12,32 @@ TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_he
             max_position_embeddings=64)
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["unpadded", "padded"])
-def model(request):
+CLASSES = [bi.BertImplModel, bi.BertImplForPreTraining, bi.BertImplForMaskedLM, bi.BertImplForNextSentencePrediction,
+           bi.BertImplForSequenceClassification, bi.BertImplForTokenClassification, bi.BertImplForQuestionAnswering,
+           bi.BertImplForMultipleChoice]
+PACKING = [c for c in CLASSES if c is not bi.BertImplForMultipleChoice]  # multiple choice takes no packed batches
+
+
+def build(cls, unpad):
     torch.manual_seed(0)
-    return bi.BertImplForSequenceClassification(BertImplConfig(**TINY, unpad_inputs=request.param)).eval()
+    model = cls(BertImplConfig(**TINY, unpad_inputs=unpad)).eval()
+    if cls is bi.BertImplForMultipleChoice:  # (B, T) inputs as B examples of one choice: (B, 1, T)
+        forward = model.forward
+        choices = lambda t: t.unsqueeze(1) if torch.is_tensor(t) and t.dim() == 2 else t  # noqa: E731
+        model.forward = lambda *a, **k: forward(*map(choices, a), **{n: choices(v) for n, v in k.items()})
+    return model
+
+
+@pytest.fixture(scope="module", params=[(c, u) for c in CLASSES for u in (True, False)],
+                ids=[f"{c.__name__[8:] or 'Model'}-{'unpadded' if u else 'padded'}" for c in CLASSES for u in (1, 0)])
+def model(request):
+    return build(*request.param)
+
+
+@pytest.fixture(scope="module", params=[(c, u) for c in PACKING for u in (True, False)],
+                ids=[f"{c.__name__[8:] or 'Model'}-{'unpadded' if u else 'padded'}" for c in PACKING for u in (1, 0)])
+def packing_model(request):
+    return build(*request.param)
 
 
 def ids(B=2, T=8):
@@ -37,30 +60,45 @@ def test_attention_mask_of_bools_and_floats_is_accepted(model):
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, 5:] = 0
     with torch.no_grad():
-        expected = model(ids(), attention_mask=mask).logits
+        expected = model(ids(), attention_mask=mask)[0]
         for other in (mask.bool(), mask.float()):
-            assert torch.equal(model(ids(), attention_mask=other).logits, expected)
+            assert torch.equal(model(ids(), attention_mask=other)[0], expected)
 
 
 @pytest.mark.parametrize("cu,match", [
-    ([0, 5, 3, 8], "cu_seq_lens_q must not decrease .* a step of -2"),
+    ([0, 5, 3, 8], r"cu_seq_lens_q must increase strictly .* a step of -2 found"),
+    ([0, 3, 3, 8], r"cu_seq_lens_q must increase strictly \(cumulative lengths of non-empty sequences\); a step of "
+                   "0 found"),  # an empty packed sequence
+    ([0, 0, 8], "cu_seq_lens_q must increase strictly .* a step of 0 found"),
     ([1, 3, 8], "cu_seq_lens_q starts at 1; expected 0"),
     ([0, 3, 7], "cu_seq_lens_q ends at 7; expected the packed length 8"),
     ([0, 3, 9], "cu_seq_lens_q ends at 9; expected the packed length 8"),  # one past the sequence
-    ([0, 9, 8], "cu_seq_lens_q must not decrease"),
+    ([0, 9, 8], "cu_seq_lens_q must increase strictly"),
 ])
-def test_bad_cu_seq_lens_q(model, cu, match):
+def test_bad_cu_seq_lens_q(packing_model, cu, match):
     cu = torch.tensor(cu, dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
-        model(ids(1), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)
+        packing_model(ids(1), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)
 
 
-def test_cu_seq_lens_k_must_equal_q(model):
+def test_good_cu_seq_lens_q_is_accepted(packing_model):
+    cu = torch.tensor([0, 1, 3, 8], dtype=torch.int32)  # a one-token sequence is not empty
+    with torch.no_grad():
+        packing_model(ids(1), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+
+
+def test_multiple_choice_takes_no_packed_batch():
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="cu_seq_lens_q"):
+        build(bi.BertImplForMultipleChoice, True)(ids(1), cu_seq_lens_q=cu)
+
+
+def test_cu_seq_lens_k_must_equal_q(packing_model):
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seq_lens_k must equal cu_seq_lens_q; 1 entries differ"):
-        model(ids(1), cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 4, 8], dtype=torch.int32))
+        packing_model(ids(1), cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 4, 8], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"cu_seq_lens_q must be \(num_sequences \+ 1,\)"):
-        model(ids(1), cu_seq_lens_q=torch.tensor([[0, 8]]))
+        packing_model(ids(1), cu_seq_lens_q=torch.tensor([[0, 8]]))
 
 
 def test_empty_batch(model):

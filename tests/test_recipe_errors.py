@@ -8,6 +8,7 @@ case takes a fraction of a second; the few runs that train use a tiny bert-impl 
 import csv
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -134,6 +135,22 @@ def test_ner_sentence_with_fewer_tags_than_words(minilm_dir, tmp_path):
             match=("train.json, line 2", "one 'ner_tags' tag per 'tokens' word"))
 
 
+def test_conll_files_that_cannot_be_read_name_the_file_and_the_line(minilm_dir, tmp_path):
+    cases = {
+        "latin1.conll": ("-DOCSTART- -X- -X- O\n\nJos\u00e9 NNP B-NP B-PER\nleft VBD B-VP O\n".encode("latin-1"),
+                         ["latin1.conll, line 3, column 4: byte 0xe9 is not UTF-8", "save the file as UTF-8"]),
+        "empty.txt": (b"\n\n", ["empty.txt: the file is empty"]),
+        "docstart.conll": (b"-DOCSTART- -X- -X- O\n\n-DOCSTART- -X- -X- O\n\n",
+                           ["docstart.conll: no sentences, only -DOCSTART- and blank lines", "a blank line between"]),
+        "untagged.txt": (b"EU NNP B-NP B-ORG\nrejects\n", ["untagged.txt, line 2: expected a token and its tag"]),
+    }
+    for name, (content, match) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        refused(run_ner, minilm_dir, tmp_path / "out", "--train_file", tmp_path / name, "--do_train",
+                match=tuple(match))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
 def test_swag_label_outside_the_endings(minilm_dir, tmp_path):
     row = {"sent1": "Anna was hungry.", "sent2": "So she", "ending0": "ate.", "ending1": "slept.", "ending2": "ran.",
            "ending3": "sang."}
@@ -220,10 +237,54 @@ def test_pretraining_corpus_of_one_sentence_is_refused(minilm_dir, tmp_path):
     corpus.write_text("The only sentence there is.\n")
     args = ["--config_name", "tiny", "--tokenizer_name", minilm_dir, "--train_file", str(corpus), "--do_train",
             "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"), *COMMON]
-    with pytest.raises(ValueError, match="holds 1 document.*too few to hold out 5%"):
+    with pytest.raises(ValueError, match=re.escape(f"{corpus}: the training data holds 1 document(s): too few to hold "
+                                                   "out 5%")):
         run_pretraining.main(args)
-    with pytest.raises(ValueError, match="train data holds 1 document.*at least 2.*blank line"):
+    with pytest.raises(ValueError, match=re.escape(f"{corpus}: the train data holds 1 document(s) with text") +
+                       ".*at least 2.*blank line"):
         run_pretraining.main([*args, "--validation_split_percentage", "0"])
+
+
+def test_pretraining_corpus_files_that_cannot_be_read_name_the_file_and_the_line(minilm_dir, tmp_path):
+    good = tmp_path / "good.txt"
+    good.write_text("Anna lives in Oslo.\nShe works there.\n\nPeter left Rome.\nHe took the train.\n")
+    (tmp_path / "latin1.txt").write_bytes("Anna lives in Oslo.\n\nUn caf\u00e9 noir.\n".encode("latin-1"))
+    (tmp_path / "blank.txt").write_bytes(b"\n  \n\n")
+    (tmp_path / "shard-1.txt").write_text(good.read_text())
+    (tmp_path / "shard-2.txt").write_bytes((tmp_path / "latin1.txt").read_bytes())
+    args = ["--config_name", "tiny", "--tokenizer_name", minilm_dir, "--do_train", "--do_eval",
+            "--output_dir", str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"), *COMMON]
+    cases = [
+        (["--train_file", tmp_path / "missing.txt"], "missing.txt: no such file"),
+        (["--train_file", tmp_path / "blank.txt"], "blank.txt: the file is empty"),
+        (["--train_file", tmp_path / "latin1.txt"], "latin1.txt, line 3, column 7: byte 0xe9 is not UTF-8"),
+        (["--train_file", good, "--validation_file", tmp_path / "latin1.txt"], "latin1.txt, line 3, column 7"),
+        (["--train_file", tmp_path / "shard-*.txt"], "shard-2.txt, line 3, column 7: byte 0xe9 is not UTF-8"),
+        (["--train_file", good, tmp_path / "part-*.txt"], "part-*.txt: no file matches"),
+    ]
+    for files, match in cases:
+        with pytest.raises(ValueError) as error:
+            run_pretraining.main([*args, *map(str, files)])
+        assert match in str(error.value) and str(tmp_path) in str(error.value), str(error.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()  # refused before anything was read
+
+
+def test_text_chunks_reads_a_chunk_at_a_time_and_counts_lines_across_chunks(tmp_path):
+    """Pre-training corpora are checked a chunk at a time: the text is the file's, and a bad byte is found at the same
+    line and column whatever the chunk size (a character or a line cut by a chunk's end included)."""
+    text = "".join(f"sentence {i} in a caf\u00e9\n" for i in range(50))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    chunks = list(common.text_chunks(str(path), chunk_bytes=7))
+    assert "".join(chunks) == text and max(map(len, chunks)) <= 7 and len(chunks) > 50
+    path.write_bytes(text.encode().replace("sentence 37 in a caf\u00e9".encode(), b"sentence 37 in a caf\xe9"))
+    truncated = tmp_path / "truncated.txt"
+    truncated.write_bytes(text.encode() + b"the end \xe2\x82")  # cut inside a 3-byte character
+    for size in (1, 2, 3, 7, 1 << 20):
+        with pytest.raises(ValueError, match=r"corpus.txt, line 38, column 21: byte 0xe9 is not UTF-8"):
+            list(common.text_chunks(str(path), chunk_bytes=size))
+        with pytest.raises(ValueError, match=r"truncated.txt, line 51, column 9: byte 0xe2 is not UTF-8"):
+            list(common.text_chunks(str(truncated), chunk_bytes=size))
 
 
 def test_pretraining_small_corpus_holds_out_two_documents(tmp_path):

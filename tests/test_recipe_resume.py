@@ -7,11 +7,15 @@ bert-impl model (2 layers, H=128) and MiniLM's tokenizer:
   the newest complete one and logs the same losses as the uninterrupted run.
 
 The kill is deterministic: a wrapper script pauses the save of one step after part of the checkpoint is written
-(model, optimizer, random state; trainer_state.json not yet), writes a sentinel file, and the test kills it then."""
+(model, optimizer, random state; trainer_state.json not yet), writes a sentinel file, and the test kills it then.
+
+run_ner.py, run_qa.py and run_swag.py resume the same way (`--resume_from_checkpoint last` or `True`), run in this
+process on the same tiny model: the resumed run trains only the steps after the checkpoint's."""
 
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -20,8 +24,16 @@ import time
 from pathlib import Path
 
 import pytest
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+sys.path.insert(0, str(RECIPES))
+
+import common  # noqa: E402
+import run_ner  # noqa: E402
+import run_qa  # noqa: E402
+import run_swag  # noqa: E402
+from test_recipes import ner_sentence, squad_article, swag_rows, write_conll, write_csv  # noqa: E402
 SENTENCES = ["a lovely film", "a dreadful film", "great fun", "so boring", "truly wonderful", "awful acting",
              "a charming story", "a tedious plot", "brilliant music", "poor dialogue", "superb cast", "bad jokes"]
 
@@ -152,3 +164,58 @@ def test_killed_while_saving_resumes_from_the_newest_complete_checkpoint(setup, 
     worst = max(abs(got[step] - expected[step]) for step in (5, 6))
     print(f"largest loss difference after resuming: {worst:.2e}")
     assert worst <= 1e-6
+
+
+def ner_data(folder: Path) -> list[str]:
+    rng = random.Random(0)
+    write_conll(folder / "train.txt", [ner_sentence(rng) for _ in range(24)])
+    return ["--train_file", str(folder / "train.txt")]
+
+
+def qa_data(folder: Path) -> list[str]:
+    rng = random.Random(0)
+    (folder / "train.json").write_text(json.dumps({"version": "1.1", "data": [squad_article(rng, i) for i in range(4)]}))
+    return ["--train_file", str(folder / "train.json"), "--max_seq_length", "32", "--doc_stride", "8"]
+
+
+def swag_data(folder: Path) -> list[str]:
+    write_csv(folder / "train.csv", swag_rows(random.Random(0), 24))
+    return ["--train_file", str(folder / "train.csv")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,data", [(run_ner, ner_data), (run_qa, qa_data), (run_swag, swag_data)],
+                         ids=["run_ner", "run_qa", "run_swag"])
+def test_fine_tuning_recipes_resume_last_and_true(recipe, data, setup, tmp_path, monkeypatch):
+    """A run of 4 steps saves checkpoint-2 and checkpoint-4; with checkpoint-4 removed, `--resume_from_checkpoint last`
+    (then `True`) continues from checkpoint-2: the second run trains steps 3 and 4 only, on the checkpoint's state."""
+    out = tmp_path / "out"
+    args = ["--model_name_or_path", setup[0], "--do_train", "--output_dir", str(out), "--max_seq_length", "16",
+            "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--max_steps", "4", "--save_steps", "2",
+            "--logging_steps", "1", "--seed", "0", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
+            "--dataloader_num_workers", "0", *data(tmp_path)]
+    trained_from = []  # the global step before each optimizer step of the current run
+    training_step = common.RecipeTrainer.training_step
+
+    def counting(self, *a, **k):  # one training step per optimizer step: no gradient accumulation here
+        trained_from.append(self.state.global_step)
+        return training_step(self, *a, **k)
+
+    monkeypatch.setattr(common.RecipeTrainer, "training_step", counting)
+    recipe.main(args)
+    assert trained_from == [0, 1, 2, 3]
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+    first = losses(out)
+    checkpoint = out / f"{PREFIX_CHECKPOINT_DIR}-2"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+
+    for resume in ("last", "True"):
+        shutil.rmtree(out / f"{PREFIX_CHECKPOINT_DIR}-4")
+        trained_from.clear()
+        trainer = recipe.main([*args, "--resume_from_checkpoint", resume])
+        assert trainer.args.resume_from_checkpoint == str(checkpoint)
+        assert trained_from == [2, 3], f"--resume_from_checkpoint {resume} trained from step {trained_from[0]}"
+        assert trainer.state.global_step == 4 and checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+        resumed = losses(out)  # steps 1 and 2 from the checkpoint's log history, 3 and 4 trained again
+        assert sorted(resumed) == [1, 2, 3, 4]
+        assert all(abs(resumed[step] - first[step]) <= 1e-6 for step in (1, 2, 3, 4)), (resumed, first)
