@@ -100,15 +100,31 @@ def extend_stock_bert_defaults(extend: bool) -> None:
 _peft_from_pretrained = None  # PeftModel.from_pretrained as peft defines it, while ours replaces it
 
 
-def _is_stock_lora_for(model, config) -> bool:
-    """A LoRA config naming stock BERT's query/key/value, to be loaded on one of our models."""
+def _is_stock_lora_for(model, config, model_id, revision: str | None = None) -> bool:
+    """A LoRA adapter (`config`, at `model_id`) trained on stock BERT's query/key/value, to be loaded on one of our
+    models. `target_modules` as a list names them; as a regular expression (which peft matches against module paths),
+    the adapter's weights say which modules it selected: stock ones (query/key/value, output.dense, ...) mean a stock
+    adapter."""
     targets = getattr(config, "target_modules", None)
-    return (
-        isinstance(model, BertImplPreTrainedModel)
-        and getattr(config, "peft_type", None) == "LORA"
-        and isinstance(targets, (list, set))
-        and any(t.split(".")[-1] in ("query", "key", "value") for t in targets)
-    )
+    if not isinstance(model, BertImplPreTrainedModel) or getattr(config, "peft_type", None) != "LORA":
+        return False
+    if isinstance(targets, (list, set)):
+        return any(t.split(".")[-1] in ("query", "key", "value") for t in targets)
+    if not isinstance(targets, str):
+        return False
+    folder = str(model_id) if os.path.isdir(model_id) else _download(str(model_id), revision)
+    weights = os.path.join(folder, "adapter_model.safetensors")
+    if not os.path.isfile(weights):
+        raise ValueError(
+            f"{model_id}: its target_modules is the regular expression {targets!r} and it has no "
+            "adapter_model.safetensors, so it cannot be told whether it targets stock BERT's query/key/value (which "
+            "our model fuses into qkv). Save it with safe_serialization (peft's default) and load it again, or load it "
+            "on transformers' BertModel classes (revert_bert_impl())")
+    from safetensors import safe_open
+
+    with safe_open(weights, "pt") as f:
+        paths = {key.split(".lora_")[0] for key in f.keys() if ".lora_" in key}
+    return any(_our_module_path(path)[0] != path for path in paths)
 
 
 def _from_pretrained_converting(cls, model, model_id, *args, config=None, **kwargs):
@@ -119,7 +135,7 @@ def _from_pretrained_converting(cls, model, model_id, *args, config=None, **kwar
     peft_config = config
     if peft_config is None and kwargs.get("subfolder") is None:
         peft_config = PeftConfig.from_pretrained(str(model_id), revision=kwargs.get("revision"))
-    if not _is_stock_lora_for(model, peft_config):
+    if not _is_stock_lora_for(model, peft_config, model_id, kwargs.get("revision")):
         return original(cls, model, model_id, *args, config=config, **kwargs)
     with tempfile.TemporaryDirectory() as converted:  # the weights are read into the model before it is removed
         folder = model_id if os.path.isdir(model_id) else _download(str(model_id), kwargs.get("revision"))

@@ -162,7 +162,9 @@ def test_trainer_lora_save_reload_merge(stock_dir, tmp_path):
     (dict(target_modules=["query", "value"], r=4, lora_alpha=8), {"qkv"}),
     (dict(target_modules=["query", "key", "value", "intermediate.dense"], r=4, lora_alpha=16, use_rslora=True,
           rank_pattern={"value": 2}, alpha_pattern={"query": 3}), {"qkv", "up"}),
-], ids=["query-value", "qkv-ffn-rslora-patterns"])
+    # A regular expression (peft matches it against whole module paths), as many Hub adapters have
+    (dict(target_modules=r".*\.(query|value)", r=4, lora_alpha=8), {"qkv"}),
+], ids=["query-value", "qkv-ffn-rslora-patterns", "regex"])
 def test_stock_adapter_converted_onto_our_qkv_gives_the_same_logits(stock_dir, tmp_path, config, targets):
     torch.manual_seed(0)
     # init_lora_weights=False: B is random too, so the adapter changes the outputs.
@@ -201,3 +203,27 @@ def test_conversion_refuses_what_is_not_a_lora(stock_dir, tmp_path):
                    IA3Config(task_type="SEQ_CLS")).save_pretrained(tmp_path / "ia3")
     with pytest.raises(ValueError, match="only LoRA adapters"):
         bi.convert_stock_lora(tmp_path / "ia3", tmp_path / "out")
+
+
+def test_regex_targets_on_load_under_the_patch(stock_dir, tmp_path):
+    """target_modules as a regular expression: an adapter trained on our model loads as it is (not taken for a stock
+    one); a stock one whose weights cannot be read without loading them (adapter_model.bin) is refused, naming it."""
+    torch.manual_seed(0)
+    mine = get_peft_model(ours(stock_dir), LoraConfig(task_type="SEQ_CLS", target_modules=r".*\.attn\.qkv", r=4,
+                                                      init_lora_weights=False))
+    mine.save_pretrained(tmp_path / "ours")
+    inputs = batch()
+    expected = logits(mine, inputs)
+    get_peft_model(transformers.BertForSequenceClassification.from_pretrained(stock_dir),
+                   LoraConfig(task_type="SEQ_CLS", target_modules=r".*\.(query|value)")).save_pretrained(
+        tmp_path / "stock-bin", safe_serialization=False)
+    bi.apply_bert_impl()
+    try:
+        reloaded = PeftModel.from_pretrained(ours(stock_dir), tmp_path / "ours")
+        with pytest.raises(ValueError, match=r"stock-bin: its target_modules is the regular expression .* no "
+                                             r"adapter_model\.safetensors"):
+            PeftModel.from_pretrained(ours(stock_dir), tmp_path / "stock-bin")
+    finally:
+        bi.revert_bert_impl()
+    assert reloaded.peft_config["default"].target_modules == r".*\.attn\.qkv"  # not rewritten by a conversion
+    assert (logits(reloaded, inputs) - expected).abs().max() < TOL
