@@ -3,7 +3,8 @@
 - Default `target_modules`: peft picks them by model_type from its `TRANSFORMERS_MODELS_TO_*` tables; for every table
   with a "bert" entry, "bert_impl" gets the same modules under our names (query/key/value -> the fused `qkv`,
   `output.dense` -> `attn.out` and `ffn.down`). So `LoraConfig(task_type="SEQ_CLS")`, `IA3Config(...)` and the rest
-  work without `target_modules`. Registered when this package is imported, if peft is installed (it adds about
+  work without `target_modules` (every method with a "bert" default; Poly, which mixes its modules per example,
+  switches our model to padded batches). Registered when this package is imported, if peft is installed (it adds about
   0.16 s to the package's 4-5 s import: measured with `python -X importtime`).
 - `convert_stock_lora`: a LoRA adapter trained on transformers' BERT (typically `target_modules=["query", "value"]`)
   rewritten for our fused `qkv`, with the same outputs. While `apply_bert_impl()` is in effect this happens on load:
@@ -16,8 +17,11 @@ import tempfile
 from collections import Counter
 
 import torch
+from transformers.utils import logging
 
 from .modeling_bert_impl import STOCK_QKV, STOCK_TO_OURS, BertImplPreTrainedModel
+
+logger = logging.get_logger(__name__)
 
 # A stock BERT module name as peft's tables spell it -> ours (suffixes of module paths).
 STOCK_TO_OUR_MODULES = {"query": ["qkv"], "key": ["qkv"], "value": ["qkv"], "output.dense": ["attn.out", "ffn.down"]}
@@ -43,11 +47,36 @@ def _our_modules(stock: list[str]) -> list[str] | None:
 
 
 def register_peft_defaults() -> None:
-    """Give "bert_impl" the counterpart of every "bert" default in peft's tables."""
+    """Give "bert_impl" the counterpart of every "bert" default in peft's tables, and make Poly adapters run our
+    models on padded batches (`_padded_for_poly`)."""
     for table in _tables_with_bert():
         ours = _our_modules(table["bert"])
         if ours is not None:
             table.setdefault("bert_impl", ours)
+    _padded_for_poly()
+
+
+def _padded_for_poly() -> None:
+    """Poly mixes its LoRA modules per example (by `task_ids`), so its layers need (B, T, H) inputs, which our
+    unpadded path (tokens of all examples in one (N, H) matrix) does not give. When peft injects Poly into one of our
+    models, the model switches to the padded path (`config.unpad_inputs = False`, same outputs), with a warning."""
+    try:
+        from peft.tuners.poly import PolyModel
+    except ImportError:
+        return
+    original = PolyModel._pre_injection_hook
+    if getattr(original, "_bert_impl", False):
+        return
+
+    def hook(self, model, config, adapter_name):
+        if isinstance(model, BertImplPreTrainedModel) and model.config.unpad_inputs:
+            logger.warning("Poly routes each example through its own mix of LoRA modules: the model now runs on "
+                           "padded batches (config.unpad_inputs=False)")
+            model.config.unpad_inputs = False
+        return original(self, model, config, adapter_name)
+
+    hook._bert_impl = True
+    PolyModel._pre_injection_hook = hook
 
 
 _stock_bert_defaults: dict[int, tuple[dict, list[str]]] = {}  # id(table) -> (table, its "bert" entry before)
@@ -71,15 +100,31 @@ def extend_stock_bert_defaults(extend: bool) -> None:
 _peft_from_pretrained = None  # PeftModel.from_pretrained as peft defines it, while ours replaces it
 
 
-def _is_stock_lora_for(model, config) -> bool:
-    """A LoRA config naming stock BERT's query/key/value, to be loaded on one of our models."""
+def _is_stock_lora_for(model, config, model_id, revision: str | None = None) -> bool:
+    """A LoRA adapter (`config`, at `model_id`) trained on stock BERT's query/key/value, to be loaded on one of our
+    models. `target_modules` as a list names them; as a regular expression (which peft matches against module paths),
+    the adapter's weights say which modules it selected: stock ones (query/key/value, output.dense, ...) mean a stock
+    adapter."""
     targets = getattr(config, "target_modules", None)
-    return (
-        isinstance(model, BertImplPreTrainedModel)
-        and getattr(config, "peft_type", None) == "LORA"
-        and isinstance(targets, (list, set))
-        and any(t.split(".")[-1] in ("query", "key", "value") for t in targets)
-    )
+    if not isinstance(model, BertImplPreTrainedModel) or getattr(config, "peft_type", None) != "LORA":
+        return False
+    if isinstance(targets, (list, set)):
+        return any(t.split(".")[-1] in ("query", "key", "value") for t in targets)
+    if not isinstance(targets, str):
+        return False
+    folder = str(model_id) if os.path.isdir(model_id) else _download(str(model_id), revision)
+    weights = os.path.join(folder, "adapter_model.safetensors")
+    if not os.path.isfile(weights):
+        raise ValueError(
+            f"{model_id}: its target_modules is the regular expression {targets!r} and it has no "
+            "adapter_model.safetensors, so it cannot be told whether it targets stock BERT's query/key/value (which "
+            "our model fuses into qkv). Save it with safe_serialization (peft's default) and load it again, or load it "
+            "on transformers' BertModel classes (revert_bert_impl())")
+    from safetensors import safe_open
+
+    with safe_open(weights, "pt") as f:
+        paths = {key.split(".lora_")[0] for key in f.keys() if ".lora_" in key}
+    return any(_our_module_path(path)[0] != path for path in paths)
 
 
 def _from_pretrained_converting(cls, model, model_id, *args, config=None, **kwargs):
@@ -90,7 +135,7 @@ def _from_pretrained_converting(cls, model, model_id, *args, config=None, **kwar
     peft_config = config
     if peft_config is None and kwargs.get("subfolder") is None:
         peft_config = PeftConfig.from_pretrained(str(model_id), revision=kwargs.get("revision"))
-    if not _is_stock_lora_for(model, peft_config):
+    if not _is_stock_lora_for(model, peft_config, model_id, kwargs.get("revision")):
         return original(cls, model, model_id, *args, config=config, **kwargs)
     with tempfile.TemporaryDirectory() as converted:  # the weights are read into the model before it is removed
         folder = model_id if os.path.isdir(model_id) else _download(str(model_id), kwargs.get("revision"))

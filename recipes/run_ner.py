@@ -124,6 +124,13 @@ def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(DataArguments, argv)
     common.setup_logging(training_args)
+    return run(model_args, data_args, training_args, argv)
+
+
+def run(model_args: common.ModelArguments, data_args: DataArguments, training_args: common.RecipeTrainingArguments,
+        argv: list[str] | None = None, script: str = __file__) -> Trainer:
+    """The recipe on parsed arguments (their output directory checked by `common.prepare_run`); `script` and `argv`
+    are the command the model card records. run_ner_features.py --fine_tune calls it for the table's fine-tuning row."""
     set_seed(training_args.seed)
 
     raw = common.load_data(data_args, model_args.cache_dir, read_file)
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> Trainer:
             with open(os.path.join(training_args.output_dir, "predictions.txt"), "w") as f:
                 f.writelines(" ".join(row) + "\n" for row in predicted)
     if training_args.do_train:
-        common.finish(trainer, model_args, metrics, __file__, argv,
+        common.finish(trainer, model_args, metrics, script, argv,
                       dataset=data_args.dataset_name, dataset_config=data_args.dataset_config_name)
     return trainer
 

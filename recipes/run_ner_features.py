@@ -15,7 +15,11 @@ classifier over the tags, for each choice of features:
 
     python recipes/run_ner_features.py --model_name_or_path bert-base-cased --train_file train.txt \\
         --validation_file valid.txt --max_seq_length 128 --learning_rate 1e-3 --num_train_epochs 5 \\
-        --per_device_train_batch_size 32 --fine_tuned_dir outputs/conll2003 --output_dir outputs/conll2003_features
+        --per_device_train_batch_size 32 --fine_tune --output_dir outputs/conll2003_features
+
+With --fine_tune the same command also fine-tunes the whole model with `run_ner.py`'s training (its `run`, on the same
+model, data and training flags, but --fine_tune_learning_rate and --fine_tune_epochs) into --output_dir/fine_tuning,
+and its validation F1 is the table's fine-tuning row; or give an earlier `run_ner.py` --output_dir as --fine_tuned_dir.
 
 Data, tags and scoring are `run_ner.py`'s (its readers, `run_ner.align_labels`, seqeval entity F1 per word, words cut
 off by --max_seq_length not scored). The BiLSTM reads every token's features (sub-tokens and [CLS]/[SEP] included);
@@ -29,9 +33,9 @@ other training flags, reads them instead of running the encoder. Every hidden st
 
 Writes into --output_dir, per feature choice, a folder with the head (`model.safetensors`, `head_config.json`,
 `eval_predictions.txt`: the validation tags, one line per sentence), then `feature_based_results.json` and
-`feature_based_table.md`: one row per choice with your F1 beside the paper's, and fine-tuning's (`eval_f1` from a
-`run_ner.py` --output_dir given as --fine_tuned_dir). `predict(head_dir, sentences)` tags new sentences with a saved
-head and its encoder.
+`feature_based_table.md`: one row per choice with your F1 beside the paper's, and fine-tuning's (`eval_f1` of the
+--fine_tune run in --output_dir/fine_tuning, or of a `run_ner.py` --output_dir given as --fine_tuned_dir).
+`predict(head_dir, sentences)` tags new sentences with a saved head and its encoder.
 """
 
 import dataclasses
@@ -80,6 +84,14 @@ class DataArguments(run_ner.DataArguments):
         default=None, metadata={"help": "A run_ner.py --output_dir on the same data: its eval_f1 is the table's "
                                         "fine-tuning row."}
     )
+    fine_tune: bool = field(
+        default=False,
+        metadata={"help": "Also fine-tune the whole model with run_ner.py's training (same model, data and training "
+                          "flags, but --fine_tune_learning_rate and --fine_tune_epochs) into --output_dir/fine_tuning; "
+                          "its eval_f1 is the table's fine-tuning row."},
+    )
+    fine_tune_learning_rate: float = field(default=5e-5, metadata={"help": "--fine_tune's learning rate."})
+    fine_tune_epochs: float = field(default=3.0, metadata={"help": "--fine_tune's number of epochs."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -89,6 +101,9 @@ class DataArguments(run_ner.DataArguments):
             raise ValueError(f"--features {self.features!r}: unknown {unknown}; choose all or from "
                              f"{', '.join(FEATURES)}")
         self.feature_names = names
+        if self.fine_tune and self.fine_tuned_dir:
+            raise ValueError("give --fine_tune (fine-tune here) or --fine_tuned_dir (an earlier run_ner.py run), not "
+                             "both")
         for name in ("lstm_hidden_size", "lstm_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
@@ -342,6 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows[name] = {"title": title, "layers": layers[name], **{k[5:]: v for k, v in output.metrics.items()
                                                           if k in ("eval_f1", "eval_precision", "eval_recall")}}
 
+    if data_args.fine_tune:
+        fine_tuning = fine_tune(model_args, data_args, training_args, argv)
     table = format_table(rows, fine_tuning, num_layers)
     results = {"features": rows, "fine_tuning_f1": fine_tuning, "feature_cache": caches, "table": table}
     with open(os.path.join(training_args.output_dir, "feature_based_table.md"), "w") as f:
@@ -355,6 +372,20 @@ def main(argv: list[str] | None = None) -> dict:
 def located(name: str | None) -> str | None:
     """A local folder as an absolute path (so a saved head finds its encoder from anywhere), a Hub id as it is."""
     return os.path.abspath(name) if name and os.path.isdir(name) else name
+
+
+def fine_tune(model_args: common.ModelArguments, data_args: DataArguments,
+              training_args: common.RecipeTrainingArguments, argv: list[str] | None) -> float:
+    """--fine_tune: `run_ner.run` (train and evaluate) on the same model, data and training flags, with
+    --fine_tune_learning_rate and --fine_tune_epochs, into --output_dir/fine_tuning; returns its eval_f1."""
+    args = dataclasses.replace(
+        training_args, output_dir=os.path.join(training_args.output_dir, "fine_tuning"),
+        learning_rate=data_args.fine_tune_learning_rate, num_train_epochs=data_args.fine_tune_epochs,
+        do_train=True, do_eval=True, do_predict=False, resume_from_checkpoint=None,
+    )
+    common.prepare_run(args)  # refuses a fine_tuning folder holding an earlier run, as run_ner.py does
+    run_ner.run(model_args, data_args, args, argv, script=__file__)
+    return read_fine_tuned_f1(args.output_dir)
 
 
 def read_fine_tuned_f1(run_dir: str) -> float:

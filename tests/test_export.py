@@ -113,6 +113,32 @@ def test_static_export_also_with_the_padded_path():
     assert max_diff(got.pooler_output, expected.pooler_output, batch["attention_mask"]) <= TOL
 
 
+@pytest.mark.parametrize("backend", ["dynamo", "onnx"])
+def test_transformers_exporters(backend, tmp_path):
+    """transformers' own exporters (`transformers.exporters`, new in v5: `torch.export` and ONNX run in onnxruntime),
+    which the issue found failing for our classes: dynamic shapes, an export and a reloaded export against eager on
+    another batch and sequence length than the example."""
+    from transformers import exporters
+
+    exporter, config = {"dynamo": (exporters.DynamoExporter, exporters.DynamoConfig),
+                        "onnx": (exporters.OnnxExporter, exporters.OnnxConfig)}[backend]
+    torch.manual_seed(0)
+    model = bi.BertImplModel(BertImplConfig(**TINY)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = exporter().export(model, padded_batch([7, 5, 3], seed=0), config(dynamic=True))
+    exported.save_pretrained(tmp_path)
+    reloaded = exporters.ExportedModel.from_pretrained(tmp_path)
+    batch = padded_batch([11, 4, 9, 2, 6], seed=1)
+    with torch.no_grad():
+        expected = model(**batch)
+    for outputs in (exported(**batch), reloaded(**batch)):
+        assert type(outputs) is type(expected) and list(outputs.keys()) == list(expected.keys())
+        for key in expected.keys():
+            got = torch.as_tensor(outputs[key])
+            assert got.shape == expected[key].shape and max_diff(got, expected[key], batch["attention_mask"]) <= TOL
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # torch.compile(fullgraph=True): padded and packed batches, no recompilation per batch
 # ---------------------------------------------------------------------------------------------------------------------

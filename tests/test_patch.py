@@ -86,10 +86,18 @@ def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(
     assert all(diff < TOL for diff in diffs.values()), diffs
 
 
-def test_folder_saved_after_the_call_is_the_stock_folder(classifier_dir, tmp_path, patched):
-    model = AutoModelForSequenceClassification.from_pretrained(classifier_dir)
+def test_folder_saved_after_the_call_is_the_stock_folder(minilm_dir, classifier_dir, tmp_path, patched):
+    from sentence_transformers import SentenceTransformer
+
+    model = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
     assert isinstance(model, bi.BertImplForSequenceClassification)
     model.save_pretrained(tmp_path / "patched")
+    encoder = AutoModel.from_pretrained(minilm_dir).eval()
+    assert isinstance(encoder, bi.BertImplModel)
+    encoder.save_pretrained(tmp_path / "patched-encoder")
+    sentence_encoder = SentenceTransformer(minilm_dir, device="cpu")
+    assert isinstance(sentence_encoder[0].auto_model, bi.BertImplModel)
+    sentence_encoder.save(str(tmp_path / "patched-st"))
     transformers.BertForSequenceClassification.from_pretrained(classifier_dir).save_pretrained(tmp_path / "stock")
 
     read = lambda name: json.loads((tmp_path / name / "config.json").read_text())
@@ -98,10 +106,37 @@ def test_folder_saved_after_the_call_is_the_stock_folder(classifier_dir, tmp_pat
     patched_weights, stock_weights = (load_file(tmp_path / name / "model.safetensors") for name in ("patched", "stock"))
     assert patched_weights.keys() == stock_weights.keys()
     assert all(torch.equal(patched_weights[k], stock_weights[k]) for k in stock_weights)
+    assert read("patched-st")["model_type"] == "bert" and read("patched-st")["architectures"] == ["BertModel"]
 
     # Trainer reloads its (stock-format) checkpoints with load_state_dict: stock names are accepted.
     result = model.load_state_dict(stock_weights, strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
+
+    # The folders load in plain transformers / sentence-transformers (after the undo, transformers' own classes) and
+    # give the patched models' outputs.
+    tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected_logits, expected_hidden = model(**batch).logits, encoder(**batch)
+    expected_embeddings = sentence_encoder.encode(SENTENCES, convert_to_tensor=True)
+    bi.revert_bert_impl()
+    stock_classifier = AutoModelForSequenceClassification.from_pretrained(tmp_path / "patched").eval()
+    stock_encoder = AutoModel.from_pretrained(tmp_path / "patched-encoder").eval()
+    assert type(stock_classifier) is transformers.BertForSequenceClassification
+    assert type(stock_encoder) is transformers.BertModel
+    stock_sentence_encoder = SentenceTransformer(str(tmp_path / "patched-st"), device="cpu")
+    assert type(stock_sentence_encoder[0].auto_model) is transformers.BertModel
+    with torch.no_grad():
+        logits, hidden = stock_classifier(**batch).logits, stock_encoder(**batch)
+    embeddings = stock_sentence_encoder.encode(SENTENCES, convert_to_tensor=True)
+    diffs = {
+        "logits": max_diff(logits, expected_logits),
+        "last_hidden_state": max_diff(hidden.last_hidden_state[real], expected_hidden.last_hidden_state[real]),
+        "pooler_output": max_diff(hidden.pooler_output, expected_hidden.pooler_output),
+        "sentence_embeddings": max_diff(embeddings, expected_embeddings),
+    }
+    assert all(diff < TOL for diff in diffs.values()), diffs
 
 
 def test_masked_lm_keeps_the_stock_output_contract(tmp_path, patched):

@@ -3,6 +3,8 @@ adapters converted onto our fused qkv, and AutoPeftModel over a stock base. Smal
 transformers' BertForSequenceClassification (the mechanics do not depend on size); references are transformers' BERT
 with the same adapter, or our model before saving."""
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -11,7 +13,9 @@ from transformers import BertConfig, Trainer, TrainingArguments
 import modeling_bert_impl as bi
 
 peft = pytest.importorskip("peft")
-from peft import AutoPeftModelForSequenceClassification, IA3Config, LoHaConfig, LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft import AutoPeftModelForSequenceClassification, IA3Config, LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+from modeling_bert_impl.peft_support import _our_module_path as our_module_path  # noqa: E402
 
 TOL = 1e-5
 SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -48,15 +52,63 @@ def ours(stock_dir):
     return bi.BertImplForSequenceClassification.from_pretrained(stock_dir)
 
 
-@pytest.mark.parametrize("config, expected", [
-    (LoraConfig(task_type="SEQ_CLS"), {"attn.qkv"}),
-    (LoHaConfig(task_type="SEQ_CLS"), {"attn.qkv"}),
-    (IA3Config(task_type="SEQ_CLS"), {"attn.qkv", "attn.out", "ffn.down"}),
-])
-def test_default_target_modules_are_the_stock_ones_under_our_names(stock_dir, config, expected):
-    model = get_peft_model(ours(stock_dir), config)
-    targeted = {".".join(name.split(".")[-2:]) for name in model.base_model.targeted_module_names}
-    assert targeted == expected
+def methods_with_a_bert_default() -> list[str]:
+    """The PEFT methods (PeftType names) for which the installed peft has a default target_modules for "bert": those
+    of its `TRANSFORMERS_MODELS_TO_<METHOD>_TARGET_MODULES_MAPPING` tables that have a "bert" key."""
+    names = [m[1] for name, table in vars(peft.utils.constants).items()
+             if (m := re.fullmatch(r"TRANSFORMERS_MODELS_TO_(\w+)_TARGET_MODULES_MAPPING", name))
+             and isinstance(table, dict) and "bert" in table]
+    return sorted(names)
+
+
+BERT_DEFAULT_METHODS = methods_with_a_bert_default()
+# Settings that peft's defaults need regardless of the model (AdaLoRA's schedule length).
+REQUIRED = {"ADALORA": dict(total_step=10)}
+
+
+@pytest.fixture(scope="module")
+def wide_stock_dir(tmp_path_factory):
+    """A stock BertForSequenceClassification folder wide enough for every method's default sizes (C3A and VB-LoRA
+    blocks of 256, MiSS rank 64, RoAd groups of 64)."""
+    folder = tmp_path_factory.mktemp("wide-stock-bert")
+    torch.manual_seed(0)
+    config = BertConfig(**{**SMALL, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 1})
+    transformers.BertForSequenceClassification(config).save_pretrained(folder)
+    return str(folder)
+
+
+def test_every_method_with_a_bert_default_is_covered():
+    assert {"LORA", "LOHA", "IA3", "ADALORA", "VERA", "BOFT"} <= set(BERT_DEFAULT_METHODS), BERT_DEFAULT_METHODS
+    for method in BERT_DEFAULT_METHODS:
+        assert peft.PeftType[method] in peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING, method
+
+
+@pytest.mark.parametrize("method", BERT_DEFAULT_METHODS)
+def test_default_target_modules_are_the_stock_ones_under_our_names(wide_stock_dir, method):
+    """peft's defaults for "bert" on transformers' BERT and ours for "bert_impl" on ours target the same modules (query
+    and value -> our fused qkv, attention.output.dense -> attn.out, output.dense -> ffn.down); IA3's feedforward
+    modules too. The adapted model runs."""
+    config_class = peft.mapping.PEFT_TYPE_TO_CONFIG_MAPPING[peft.PeftType[method]]
+    make = lambda: config_class(task_type="SEQ_CLS", **REQUIRED.get(method, {}))
+    assert make().target_modules is None  # the default is peft's table's
+    stock = get_peft_model(transformers.BertForSequenceClassification.from_pretrained(wide_stock_dir), make())
+    model = get_peft_model(ours(wide_stock_dir), make())
+    stock_targets = stock.base_model.targeted_module_names
+    assert stock_targets, "peft's stock default targets nothing"
+    assert set(model.base_model.targeted_module_names) == {our_module_path(n)[0] for n in stock_targets}
+    if method == "IA3":
+        feedforward = lambda m: {n for n, mod in m.named_modules() if getattr(mod, "is_feedforward", False)}
+        assert feedforward(model) == {our_module_path(n)[0] for n in feedforward(stock)}
+        assert {n.split(".")[-1] for n in feedforward(model)} == {"out", "down"}
+    inputs = batch()
+    extra = {}
+    if method == "POLY":  # routes per example: needs (B, T, H) inputs, so the padded path (peft_support)
+        assert model.config.unpad_inputs is False
+        extra = {"task_ids": torch.zeros(len(inputs["labels"]), dtype=torch.long)}
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **extra).logits
+    assert out.shape == (len(inputs["labels"]), 2) and torch.isfinite(out).all()
 
 
 def test_defaults_on_stock_folders_loaded_through_the_patch(stock_dir):
@@ -110,7 +162,9 @@ def test_trainer_lora_save_reload_merge(stock_dir, tmp_path):
     (dict(target_modules=["query", "value"], r=4, lora_alpha=8), {"qkv"}),
     (dict(target_modules=["query", "key", "value", "intermediate.dense"], r=4, lora_alpha=16, use_rslora=True,
           rank_pattern={"value": 2}, alpha_pattern={"query": 3}), {"qkv", "up"}),
-], ids=["query-value", "qkv-ffn-rslora-patterns"])
+    # A regular expression (peft matches it against whole module paths), as many Hub adapters have
+    (dict(target_modules=r".*\.(query|value)", r=4, lora_alpha=8), {"qkv"}),
+], ids=["query-value", "qkv-ffn-rslora-patterns", "regex"])
 def test_stock_adapter_converted_onto_our_qkv_gives_the_same_logits(stock_dir, tmp_path, config, targets):
     torch.manual_seed(0)
     # init_lora_weights=False: B is random too, so the adapter changes the outputs.
@@ -149,3 +203,27 @@ def test_conversion_refuses_what_is_not_a_lora(stock_dir, tmp_path):
                    IA3Config(task_type="SEQ_CLS")).save_pretrained(tmp_path / "ia3")
     with pytest.raises(ValueError, match="only LoRA adapters"):
         bi.convert_stock_lora(tmp_path / "ia3", tmp_path / "out")
+
+
+def test_regex_targets_on_load_under_the_patch(stock_dir, tmp_path):
+    """target_modules as a regular expression: an adapter trained on our model loads as it is (not taken for a stock
+    one); a stock one whose weights cannot be read without loading them (adapter_model.bin) is refused, naming it."""
+    torch.manual_seed(0)
+    mine = get_peft_model(ours(stock_dir), LoraConfig(task_type="SEQ_CLS", target_modules=r".*\.attn\.qkv", r=4,
+                                                      init_lora_weights=False))
+    mine.save_pretrained(tmp_path / "ours")
+    inputs = batch()
+    expected = logits(mine, inputs)
+    get_peft_model(transformers.BertForSequenceClassification.from_pretrained(stock_dir),
+                   LoraConfig(task_type="SEQ_CLS", target_modules=r".*\.(query|value)")).save_pretrained(
+        tmp_path / "stock-bin", safe_serialization=False)
+    bi.apply_bert_impl()
+    try:
+        reloaded = PeftModel.from_pretrained(ours(stock_dir), tmp_path / "ours")
+        with pytest.raises(ValueError, match=r"stock-bin: its target_modules is the regular expression .* no "
+                                             r"adapter_model\.safetensors"):
+            PeftModel.from_pretrained(ours(stock_dir), tmp_path / "stock-bin")
+    finally:
+        bi.revert_bert_impl()
+    assert reloaded.peft_config["default"].target_modules == r".*\.attn\.qkv"  # not rewritten by a conversion
+    assert (logits(reloaded, inputs) - expected).abs().max() < TOL
