@@ -102,14 +102,16 @@ def length_groups(seqlens: list[int], group_cost: int) -> list[list[int]]:
     return groups[::-1]
 
 
-def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]]):
-    """cu_seqlens (S + 1,) over nnz tokens, groups from `length_groups` -> the rows of the bucketed layout:
+def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]], seqlens: list[int]):
+    """cu_seqlens (S + 1,) over nnz tokens, groups from `length_groups`, seqlens the S lengths on the host -> the rows of
+    the bucketed layout:
 
     rows (P,): the token each row holds; group after group, sequence after sequence, a sequence's tokens then copies
         of its last token up to its group's longest length T_g (P = sum of s_g * T_g);
     real (P,) bool: the rows that hold their token for the first time (nnz of them);
     first (S,): the row of each sequence's first token (0 for an empty sequence);
-    shapes: (s_g, T_g) per group.
+    shapes: (s_g, T_g, filler) per group, filler 1 where a sequence of the group is shorter than T_g (0: no row of the
+        group is filler, its attention needs no mask).
 
     With no token at all (nnz = 0), one filler row holding token 0 (so that `first` points at a row)."""
     starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (S,)
@@ -117,15 +119,15 @@ def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]]):
     rows, real, shapes, offset = [], [], [], 0
     for group in groups:
         g = torch.tensor(group, device=starts.device)  # (s_g,)
-        T_g = int(lengths[g].max())
+        shortest, T_g = min(seqlens[i] for i in group), max(seqlens[i] for i in group)
         pos = torch.arange(T_g, device=starts.device)  # (T_g,)
         rows.append((starts[g, None] + torch.minimum(pos, lengths[g, None] - 1)).flatten())  # (s_g * T_g,)
         real.append((pos < lengths[g, None]).flatten())
         first[g] = offset + torch.arange(len(group), device=starts.device) * T_g
-        shapes.append((len(group), T_g))
+        shapes.append((len(group), T_g, int(shortest < T_g)))
         offset += len(group) * T_g
     if not groups:
-        return starts.new_zeros(1), torch.zeros(1, dtype=torch.bool, device=starts.device), first, [(1, 1)]
+        return starts.new_zeros(1), torch.zeros(1, dtype=torch.bool, device=starts.device), first, [(1, 1, 1)]
     return torch.cat(rows), torch.cat(real), first, shapes
 
 
@@ -190,14 +192,16 @@ def varlen_kernel(q: torch.Tensor):
     return repadded_attention
 
 
-def bucketed_attention(q, k, v, real: torch.Tensor, shapes, scaling: float, dropout: float) -> torch.Tensor:
+def bucketed_attention(q, k, v, key_mask: torch.Tensor, shapes, scaling: float, dropout: float) -> torch.Tensor:
     """The bucketed layout's attention: q, k, v (P, N, D) -> (P, N, D), one SDPA call per group on views of q, k, v.
-    real: (P,) bool, the rows that hold real tokens (the others are filler, masked as keys); shapes: (s_g, T_g)."""
-    sizes = [s * t for s, t in shapes]
+    key_mask: (P,) additive, 0 on the rows that hold real tokens, the dtype's minimum on filler rows (masked as keys);
+    shapes: (s_g, T_g, filler) per group (bucketed_rows); a group without filler rows attends unmasked."""
+    sizes = [s * t for s, t, _ in shapes]
     y = []
-    for (s, t), r, qg, kg, vg in zip(shapes, real.split(sizes), q.split(sizes), k.split(sizes), v.split(sizes)):
+    for (s, t, filler), m, qg, kg, vg in zip(shapes, key_mask.split(sizes), q.split(sizes), k.split(sizes),
+                                             v.split(sizes)):
         qg, kg, vg = (x.unflatten(0, (s, t)).transpose(1, 2) for x in (qg, kg, vg))  # each (s_g, N, T_g, D)
-        mask = additive_mask(r.view(s, 1, 1, t), qg.dtype)  # (s_g, 1, 1, T_g): filler keys masked
+        mask = m.view(s, 1, 1, t).to(qg.dtype) if filler else None  # (s_g, 1, 1, T_g)
         yg = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout, scale=scaling)
         y.append(yg.transpose(1, 2).flatten(0, 1))  # (s_g * T_g, N, D)
     return torch.cat(y) if len(y) > 1 else y[0]
@@ -206,13 +210,13 @@ def bucketed_attention(q, k, v, real: torch.Tensor, shapes, scaling: float, drop
 class BucketedBatch(NamedTuple):
     """The bucketed layout: groups of sequences padded to their group's longest, laid out one after the other."""
 
-    real: torch.Tensor  # (P,) bool, the rows holding a real token (the others repeat their sequence's last token)
-    shapes: list[tuple[int, int]] | torch.Tensor  # (s_g, T_g) per group, in row order; a (G, 2) tensor when traced
+    key_mask: torch.Tensor  # (P,) additive: 0 on rows holding a real token, the dtype's minimum on filler rows
+    shapes: list[tuple[int, int, int]] | torch.Tensor  # (s_g, T_g, filler) per group, in row order; (G, 3) when traced
 
     def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
         if isinstance(self.shapes, torch.Tensor):  # traced: the group loop runs inside one opaque op
-            return torch.ops.bert_impl.bucketed_attention(q, k, v, self.real, self.shapes, scaling)
-        return bucketed_attention(q, k, v, self.real, self.shapes, scaling, dropout)
+            return torch.ops.bert_impl.bucketed_attention(q, k, v, self.key_mask, self.shapes, scaling)
+        return bucketed_attention(q, k, v, self.key_mask, self.shapes, scaling, dropout)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -220,9 +224,9 @@ class BucketedBatch(NamedTuple):
 # ---------------------------------------------------------------------------------------------------------------------
 def _bucketed_layout(tokens: torch.Tensor, cu_seqlens: torch.Tensor, group_cost: int):
     """tokens (nnz,) positions in the flattened batch, cu_seqlens (S + 1,) -> grid (P,) the position each row holds,
-    real (P,) bool, real_rows (nnz,) the rows that hold a real token once, first (S,), shapes (G, 2)."""
-    groups = length_groups((cu_seqlens[1:] - cu_seqlens[:-1]).tolist(), group_cost)
-    rows, real, first, shapes = bucketed_rows(cu_seqlens, groups)
+    real (P,) bool, real_rows (nnz,) the rows that hold a real token once, first (S,), shapes (G, 3)."""
+    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    rows, real, first, shapes = bucketed_rows(cu_seqlens, length_groups(seqlens, group_cost), seqlens)
     grid = tokens[rows] if tokens.numel() else tokens.new_zeros(rows.shape)  # no tokens: the filler row, position 0
     return grid, real, real.nonzero().flatten(), first, shapes
 
@@ -244,7 +248,7 @@ def _register_custom_ops() -> None:
     def bucketed_layout(tokens: torch.Tensor, cu_seqlens: torch.Tensor, group_cost: int) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         *tensors, shapes = _bucketed_layout(tokens, cu_seqlens, group_cost)
-        return *tensors, torch.tensor(shapes, dtype=torch.long, device=tokens.device).view(-1, 2)
+        return *tensors, torch.tensor(shapes, dtype=torch.long, device=tokens.device).view(-1, 3)
 
     @bucketed_layout.register_fake
     def _(tokens, cu_seqlens, group_cost):
@@ -253,15 +257,15 @@ def _register_custom_ops() -> None:
         long = dict(dtype=torch.long, device=tokens.device)
         real = torch.empty(P, dtype=torch.bool, device=tokens.device)
         return (torch.empty(P, **long), real, torch.empty(nnz, **long),
-                torch.empty(cu_seqlens.shape[0] - 1, **long), torch.empty(G, 2, **long))
+                torch.empty(cu_seqlens.shape[0] - 1, **long), torch.empty(G, 3, **long))
 
     @torch.library.custom_op("bert_impl::bucketed_attention", mutates_args=())
-    def bucketed_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor,
+    def bucketed_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
                               shapes: torch.Tensor, scaling: float) -> torch.Tensor:
-        return bucketed_attention(q, k, v, real, shapes.tolist(), scaling, 0.0)
+        return bucketed_attention(q, k, v, key_mask, shapes.tolist(), scaling, 0.0)
 
     @bucketed_attention_op.register_fake
-    def _(q, k, v, real, shapes, scaling):
+    def _(q, k, v, key_mask, shapes, scaling):
         return torch.empty_like(q)
 
 
@@ -317,7 +321,8 @@ class UnpaddedLayout(NamedTuple):
                     tokens, cu_seqlens, BUCKET_GROUP_COST)
             else:
                 grid, real, real_rows, first, shapes = _bucketed_layout(tokens, cu_seqlens, BUCKET_GROUP_COST)
-            return cls(grid, real_rows, first, BucketedBatch(real, shapes), shape)
+            # filler keys masked, once per forward
+            return cls(grid, real_rows, first, BucketedBatch(additive_mask(real, dtype), shapes), shape)
         nnz = tokens.shape[0]
         max_seqlen = T if max_seqlen is None else max_seqlen
         first = cu_seqlens[:-1].clamp(max=nnz - 1).long()  # (S,); an empty sequence points at a neighbour
