@@ -14,6 +14,11 @@ defaults (batch 32, texts sorted by length, so batches carry little padding); fi
 passes after one warm-up pass each, and the median of the per-pair ratios (a stock pass and the patched pass
 after it see about the same load on a shared machine). Also printed: the largest difference between the two models' embeddings, and
 `/proc/loadavg` before and after (the machine may be shared).
+
+Then the encoders themselves on the same corpus in its own (shuffled) order: batches of `--forward_batch_size` texts,
+each padded to its longest, as Trainer's evaluation loop (`DataCollatorWithPadding`) or a pipeline over a data set
+feeds them; stock and patched alternate batch by batch; real (non-padding) tokens/s and the largest difference of the
+last hidden states on real tokens.
 """
 
 import argparse
@@ -46,6 +51,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--forward_batch_size", type=int, default=64, help="texts per padded batch, corpus order")
     args = parser.parse_args()
 
     import sentence_transformers
@@ -100,6 +106,40 @@ def main():
           f"{statistics.median(pairs):.2f}x (median of the {len(pairs)} pairs' ratios: "
           f"{', '.join(f'{r:.2f}' for r in pairs)})")
     print(f"loadavg after: {loadavg()}")
+    forward_padded_batches(stock, patched, texts, args)
+
+
+def forward_padded_batches(stock, patched, texts: list[str], args):
+    """The two encoders on the corpus in its order, batches padded to their longest, alternating batch by batch."""
+    tokenizer, size = stock.tokenizer, args.forward_batch_size
+    batches = [tokenizer(texts[i:i + size], padding=True, truncation=True, max_length=stock.max_seq_length,
+                         return_tensors="pt") for i in range(0, len(texts), size)]
+    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    fill = real / sum(b["attention_mask"].numel() for b in batches)
+    print(f"\nencoders on padded batches in corpus order: {len(batches)} batches of {size}, {fill:.0%} real tokens; "
+          f"loadavg before: {loadavg()}")
+    models = {"stock": stock[0].auto_model.eval(), "patched": patched[0].auto_model.eval()}
+    times = {name: 0.0 for name in models}
+    diff = 0.0
+    with torch.inference_mode():
+        for batch in batches[:2]:  # warm-up and parity
+            out = {name: m(**batch).last_hidden_state for name, m in models.items()}
+            mask = batch["attention_mask"].bool()
+            diff = max(diff, (out["stock"][mask] - out["patched"][mask]).abs().max().item())
+        rates = {name: [] for name in models}
+        for r in range(args.repeats):
+            for i, batch in enumerate(batches):
+                for name in (list(models) if (r + i) % 2 == 0 else list(models)[::-1]):
+                    start = time.perf_counter()
+                    models[name](**batch)
+                    elapsed = time.perf_counter() - start
+                    times[name] += elapsed
+                    rates[name].append(int(batch["attention_mask"].sum()) / elapsed)
+    print(f"max |diff| of the last hidden states (real tokens)   {diff:.2e}")
+    for name in models:
+        print(f"{name:8s} {real * args.repeats / times[name]:,.0f} real tokens/s over {args.repeats} passes "
+              f"(median batch {statistics.median(rates[name]):,.0f})")
+    print(f"patched / stock real tokens/s: {times['stock'] / times['patched']:.2f}x; loadavg after: {loadavg()}")
 
 
 if __name__ == "__main__":
