@@ -22,13 +22,14 @@ ms per call), and batch 64 x 128 with no padding (tokens/s). The engines take tu
 reverses every round; at batch 1 a turn is `--block` calls in a row (10; each timed), as a server answers queries one
 after another: with one call a turn, each engine's idle threads spinning on the cores slow the next engine, and the
 figure measures the switch (`--block 1` shows it). Figures are medians with the interquartile range, and the load
-average is printed per workload (the 2 cores may be shared). Before timing, each engine's last hidden state is compared with transformers' on the real
-tokens of the workload's first batch (max |diff|).
+average is printed per workload (the 2 cores may be shared). Before timing, each engine's last hidden state is compared
+with transformers' on the real tokens of the workload's first batch (max |diff|).
 
 CTranslate2 runs in a process of its own (the script starts it), beside transformers as its reference there: once it
-has run in a process, the torch engines' oneDNN calls in that process stay slower (bert-impl serving at batch 1 x 16:
-4.3 ms before one CTranslate2 call, 6.9 ms after it, for good), which no user serving one engine meets. Its cells in
-the summary are marked * (ratios to transformers in its process; ms as measured there).
+has run in a process, the torch engines in that process stay slower (at batch 1 x 16, bert-impl serving 4.3 ms before
+one CTranslate2 call and 6.9 ms after it, for good; transformers 7.6 and 10.2 ms), which no user serving one engine
+meets. Its cells in the summary are marked * (ratios to transformers in its process, which it slows; ms as measured
+there).
 
 The fine-tuning step: forward + backward + AdamW of a sequence classifier (`BertForSequenceClassification` vs
 `BertImplForSequenceClassification`, same weights), batch 32 of lengths 8..128, alternating, real tokens/s.
@@ -264,12 +265,12 @@ def time_engines(engines: dict, workload: dict, repeats: int, block: int = 1) ->
     order = list(engines)
     for r in range(repeats):
         for i, batch in enumerate(batches):
+            tokens = int(batch["attention_mask"].sum())
             for name in order if (r + i) % 2 == 0 else order[::-1]:
                 for _ in range(block):
                     start = time.perf_counter()
                     engines[name].run(inputs[name][i])
                     elapsed = time.perf_counter() - start
-                    tokens = int(batch["attention_mask"].sum())
                     values[name].append(elapsed * 1e3 if workload["unit"] == "ms" else tokens / elapsed)
     return values
 
@@ -442,7 +443,10 @@ def isolated_run(args, selected, skip: set) -> dict:
         command += ["--repeats", str(args.repeats)] if args.repeats else []
         subprocess.run(command, check=True)
         with open(path) as f:
-            return {(name, unit): (medians[ISOLATED], medians["transformers"]) for name, unit, medians in json.load(f)}
+            results = {(name, unit): (medians[ISOLATED], medians["transformers"])
+                       for name, unit, medians in json.load(f)}
+    print(f"\nthe other engines, in this process ({ISOLATED} left out):")
+    return results
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ def length_groups(seqlens: list[int], group_cost: int) -> list[list[int]]:
 
 
 def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]], seqlens: list[int]):
-    """cu_seqlens (S + 1,) over nnz tokens, groups from `length_groups`, seqlens the S lengths on the host -> the rows of
-    the bucketed layout:
+    """cu_seqlens (S + 1,) over nnz tokens, groups from `length_groups`, seqlens the S lengths on the host -> the rows
+    of the bucketed layout:
 
     rows (P,): the token each row holds; group after group, sequence after sequence, a sequence's tokens then copies
         of its last token up to its group's longest length T_g (P = sum of s_g * T_g);

@@ -1,12 +1,12 @@
 """One switch for CPU serving: `optimize_for_inference(model)`.
 
-Where there is no padding to skip (batch 1, dense batches), the encoder's time on CPU is its linear layers (76% of a
-forward at batch 1 x 16 tokens, benchmarks/RESULTS.md "Engines"), which `F.linear` ran at 1.4x-1.7x the time of the
-same products with their weights laid out once for oneDNN. The switch packs every linear layer's weight once, in
-oneDNN's blocked layout, and runs the layers through oneDNN, with the feed-forward's GELU fused into its first
-product. Same modules, same parameters (the packed copy is extra memory, one more copy of the linear weights), same
-outputs to fp32 rounding (2e-6 to 8e-6 from transformers' on MiniLM), every batch shape and the padding-free path as
-before, nothing compiled.
+Where there is no padding to skip (batch 1, dense batches), the encoder's time on CPU is mostly its linear layers
+(benchmarks/RESULTS.md "Engines": 84% of a dense 64 x 128 forward even after the switch), which `F.linear` ran at
+1.4x-1.7x the time of the same products with their weights laid out once for oneDNN. The switch packs every linear
+layer's weight once, in oneDNN's blocked layout, and runs the layers through oneDNN, with the feed-forward's GELU fused
+into its first product. Same modules, same parameters (the packed copy is extra memory, one more copy of the linear
+weights), same outputs to fp32 rounding (2e-6 to 8e-6 from transformers' on MiniLM), every batch shape and the
+padding-free path as before, nothing compiled.
 
 The packed path runs only where no gradient is wanted (`torch.no_grad()` / `torch.inference_mode()`), outside
 autocast; elsewhere a layer runs as the `nn.Linear` it is, so training after the switch stays correct. A weight changed
