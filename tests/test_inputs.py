@@ -12,9 +12,7 @@ TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_he
             max_position_embeddings=64)
 
 
-CLASSES = [bi.BertImplModel, bi.BertImplForPreTraining, bi.BertImplForMaskedLM, bi.BertImplForNextSentencePrediction,
-           bi.BertImplForSequenceClassification, bi.BertImplForTokenClassification, bi.BertImplForQuestionAnswering,
-           bi.BertImplForMultipleChoice]
+CLASSES = list(bi.AUTO_CLASSES.values())  # the encoder and its seven heads
 PACKING = [c for c in CLASSES if c is not bi.BertImplForMultipleChoice]  # multiple choice takes no packed batches
 
 
