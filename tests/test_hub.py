@@ -24,6 +24,7 @@ import huggingface_hub
 import pytest
 import torch
 import transformers
+from transformers.utils import hub as transformers_hub
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, RepoUrl
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from safetensors import safe_open
@@ -122,6 +123,10 @@ def install_fake_hub(monkeypatch, cache: Path) -> FakeHub:
     for name in ("create_repo", "create_branch", "create_commit", "upload_folder"):
         method = getattr(hub, name)
         monkeypatch.setattr(HfApi, name, lambda api, *args, _method=method, **kwargs: _method(*args, **kwargs))
+        # transformers before 5.10 calls huggingface_hub's module-level functions, imported as names (methods bound
+        # to one HfApi before any patch): route those names too.
+        if hasattr(transformers_hub, name):
+            monkeypatch.setattr(transformers_hub, name, method)
     return hub
 
 
@@ -276,6 +281,9 @@ def test_pull_by_repo_id_in_a_python_without_the_package(pushed, tokenizer, run_
             return CommitInfo(commit_url=f"https://huggingface.co/{repo_id}/commit/{'0' * 40}", commit_message="",
                               commit_description="", oid="0" * 40)
         HfApi.create_repo = lambda api, repo_id, **kwargs: RepoUrl(f"https://huggingface.co/{repo_id}")
+        import transformers.utils.hub
+        if hasattr(transformers.utils.hub, "create_repo"):  # transformers before 5.10 (see install_fake_hub)
+            transformers.utils.hub.create_repo = lambda repo_id, **kwargs: RepoUrl(f"https://huggingface.co/{repo_id}")
         HfApi.create_commit = create_commit
         model.push_to_hub("stranger/reshared")
         result["reshared"] = dict(files=sorted(uploads), auto_map=json.loads(uploads["config.json"])["auto_map"],
