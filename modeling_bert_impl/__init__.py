@@ -25,7 +25,12 @@ from .modeling_bert_impl import (
 )
 from .model_card import write_model_card
 from .patching import apply_bert_impl, revert_bert_impl
-from .peft_support import convert_stock_lora, register_peft_defaults
+from .peft_support import (
+    convert_adapter_to_stock,
+    convert_adapters_on_save_and_load,
+    convert_stock_adapter,
+    register_peft_defaults,
+)
 from .serving import optimize_for_inference
 
 
@@ -40,6 +45,7 @@ def _register() -> None:
 
 _register()
 register_peft_defaults()  # peft's default target_modules for "bert_impl" (nothing without peft)
+convert_adapters_on_save_and_load()  # adapters in stock BERT's module names where the base is stock BERT
 
 __all__ = [
     "PRESETS",
@@ -58,6 +64,7 @@ __all__ = [
     "write_model_card",
     "apply_bert_impl",
     "revert_bert_impl",
-    "convert_stock_lora",
+    "convert_stock_adapter",
+    "convert_adapter_to_stock",
     "optimize_for_inference",
 ]
