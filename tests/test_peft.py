@@ -17,6 +17,7 @@ peft = pytest.importorskip("peft")
 from peft import AutoPeftModelForSequenceClassification, IA3Config, LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 from modeling_bert_impl.peft_support import _our_module_path as our_module_path  # noqa: E402
+from modeling_bert_impl.peft_support import _stock_module_paths as stock_module_paths  # noqa: E402
 
 TOL = 1e-5
 SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -323,3 +324,30 @@ def logits_with(model, inputs, extra) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **extra).logits
+
+
+@pytest.mark.parametrize("config", [
+    LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, use_dora=True, init_lora_weights=False),
+    LoraConfig(task_type="SEQ_CLS", target_modules=["qkv", "up"], r=4, lora_alpha=16, use_rslora=True,
+               rank_pattern={"up": 2}, alpha_pattern={"qkv": 3}, lora_bias=True, init_lora_weights=False),
+    LoraConfig(task_type="SEQ_CLS", target_modules=r".*\.layers\.1\.attn\.qkv", r=2, init_lora_weights=False),
+    IA3Config(task_type="SEQ_CLS", target_modules=["qkv", "down"], feedforward_modules=["qkv", "down"],
+              init_ia3_weights=False),
+], ids=["dora", "rslora-patterns-bias", "regex-one-layer", "ia3-feedforward-qkv"])
+def test_variants_saved_in_stock_names_load_on_stock_bert(stock_dir, tmp_path, config):
+    """DoRA's magnitudes and LoRA's bias follow the output features; rank/alpha patterns, rsLoRA, a regular expression
+    and IA3's feedforward modules (whose scale is on the input side) keep their meaning under stock names."""
+    torch.manual_seed(0)
+    model = perturbed(get_peft_model(ours(stock_dir), config))
+    inputs = batch()
+    expected = logits(model, inputs)
+    with model.disable_adapter():
+        assert (expected - logits(model, inputs)).abs().max() > 10 * TOL, "the adapter must change the outputs"
+    model.save_pretrained(tmp_path / "adapter")
+    stock = PeftModel.from_pretrained(transformers.BertForSequenceClassification.from_pretrained(stock_dir),
+                                      tmp_path / "adapter")
+    print(f"stock BERT with the saved adapter vs ours: max |diff| {(logits(stock, inputs) - expected).abs().max():.1e}")
+    assert (logits(stock, inputs) - expected).abs().max() < TOL
+    assert (logits(PeftModel.from_pretrained(ours(stock_dir), tmp_path / "adapter"), inputs) - expected).abs().max() == 0
+    assert set(stock.base_model.targeted_module_names) == {
+        stock_path for name in model.base_model.targeted_module_names for stock_path in stock_module_paths(name)}
