@@ -246,7 +246,16 @@ def _renamed_config(config, renamed: dict[str, list[str]], rename):
     the rank, alpha and feedforward setting it had."""
     new = copy.deepcopy(config)
     new.target_modules = sorted({path for paths in renamed.values() for path in paths})
-    for field in ("rank_pattern", "alpha_pattern"):
+    adalora = config.peft_type == "ADALORA"
+    if adalora and config.rank_pattern:  # set by AdaLoRA's training: {module path + ".lora_E": the ranks it keeps}
+        masks = {}
+        for key, mask in config.rank_pattern.items():
+            for path in renamed.get(key.removesuffix(".lora_E"), [key.removesuffix(".lora_E")]):
+                if masks.setdefault(f"{path}.lora_E", mask) != mask:
+                    raise ValueError(f"ADALORA: the modules that become {path} keep different ranks, so they are "
+                                     "not one adapter there")
+        new.rank_pattern = masks
+    for field in ("alpha_pattern",) if adalora else ("rank_pattern", "alpha_pattern"):
         if getattr(config, field, None):
             values = {}
             for old, paths in renamed.items():

@@ -351,3 +351,32 @@ def test_variants_saved_in_stock_names_load_on_stock_bert(stock_dir, tmp_path, c
     assert (logits(PeftModel.from_pretrained(ours(stock_dir), tmp_path / "adapter"), inputs) - expected).abs().max() == 0
     assert set(stock.base_model.targeted_module_names) == {
         stock_path for name in model.base_model.targeted_module_names for stock_path in stock_module_paths(name)}
+
+
+def test_adalora_ranks_allocated_in_training_keep_under_stock_names(stock_dir, tmp_path):
+    """AdaLoRA prunes each module's rank as it trains and records what it keeps in `rank_pattern` (by module path);
+    query, key and value keep qkv's."""
+    from peft import AdaLoraConfig
+
+    torch.manual_seed(0)
+    model = get_peft_model(ours(stock_dir), AdaLoraConfig(task_type="SEQ_CLS", total_step=20, tinit=1, tfinal=2,
+                                                          deltaT=1, init_r=6, target_r=2))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    train = batch(seed=2)
+    for step in range(20):
+        model(**train).loss.backward()
+        optimizer.step()
+        model.base_model.update_and_allocate(step)
+        optimizer.zero_grad()
+    inputs = batch()
+    expected = logits(model, inputs)
+    model.save_pretrained(tmp_path / "adapter")
+    kept = {key: sum(mask) for key, mask in model.peft_config["default"].rank_pattern.items()}
+    assert sorted(set(kept.values())) != [6], "training must have pruned ranks"
+    stock = PeftModel.from_pretrained(transformers.BertForSequenceClassification.from_pretrained(stock_dir),
+                                      tmp_path / "adapter")
+    assert {key: sum(mask) for key, mask in stock.peft_config["default"].rank_pattern.items()} == {
+        f"{path}.lora_E": rank for key, rank in kept.items() for path in stock_module_paths(key.removesuffix(".lora_E"))}
+    assert (logits(stock, inputs) - expected).abs().max() < TOL
+    with model.disable_adapter():
+        assert (expected - logits(model, inputs)).abs().max() > 10 * TOL, "the adapter must change the outputs"
