@@ -297,7 +297,8 @@ def convert_adapter_to_stock(adapter: str | os.PathLike, output_dir: str | os.Pa
     the tensors that follow the output features (LoRA's B, IA3's scale, ...) and a copy of those on the input side
     (LoRA's A, OFT's rotation, ...), with qkv's rank and alpha; `QKV_SPLIT` lists the methods this holds for, the
     others are refused with the reason (`NOT_SPLIT`). Other modules are renamed (attn.out -> attention.output.dense,
-    ffn.up -> intermediate.dense, ffn.down -> output.dense). Modules are named by full path in the new config."""
+    ffn.up -> intermediate.dense, ffn.down -> output.dense). Modules are named by full path in the new config, and an
+    adapter without a task type names transformers' class (BertModel, ...) for AutoPeftModel to build."""
     folder = _local_folder(adapter)
     config, weights, name = _read_adapter(folder)
     peft_type = _check_convertible(config, adapter)
@@ -318,8 +319,13 @@ def convert_adapter_to_stock(adapter: str | os.PathLike, output_dir: str | os.Pa
         shared = axis is None or tensor.shape[axis] == 1  # IA3 on a feedforward qkv scales its input
         for path, part in zip(paths, [tensor] * 3 if shared else tensor.chunk(3, dim=axis)):
             out[f"{_PREFIX}{path}.{tensor_name}{rest}"] = part.clone()
-    stock_name = lambda name: _stock_module_paths(name)[0]  # noqa: E731
-    return _write_adapter(output_dir, _renamed_config(config, renamed, stock_name), out, name)
+    converted = _renamed_config(config, renamed, lambda module: _stock_module_paths(module)[0])
+    mapping = converted.auto_mapping or {}  # the class AutoPeftModel builds for an adapter without a task type
+    if mapping.get("parent_library", "").startswith("modeling_bert_impl"):
+        ours = mapping["base_model_class"].removesuffix("OnBertConfig")  # patching.py's classes: ours on a BertConfig
+        converted.auto_mapping = {"base_model_class": ours.replace("BertImpl", "Bert", 1),
+                                  "parent_library": "transformers"}
+    return _write_adapter(output_dir, converted, out, name)
 
 
 def convert_stock_adapter(adapter: str | os.PathLike, output_dir: str | os.PathLike) -> str:

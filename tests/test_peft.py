@@ -390,3 +390,23 @@ def test_adalora_ranks_allocated_in_training_keep_under_stock_names(stock_dir, t
     assert (logits(stock, inputs) - expected).abs().max() < TOL
     with model.disable_adapter():
         assert (expected - logits(model, inputs)).abs().max() > 10 * TOL, "the adapter must change the outputs"
+
+
+def test_adapter_without_task_type_names_transformers_class(stock_dir, tmp_path):
+    """Without a task type, AutoPeftModel builds the class the adapter config names: transformers' BertModel once the
+    adapter is in stock names (a class of ours would need bert-impl and peft's import_allowlist)."""
+    torch.manual_seed(0)
+    model = perturbed(get_peft_model(bi.BertImplModel.from_pretrained(stock_dir), LoraConfig(r=4)))
+    inputs = batch()
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+    model.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["auto_mapping"] == {"base_model_class": "BertModel", "parent_library": "transformers"}
+    auto = peft.AutoPeftModel.from_pretrained(tmp_path / "adapter").eval()
+    assert type(auto.get_base_model()) is transformers.BertModel
+    with torch.no_grad():
+        got = auto(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+    mask = inputs["attention_mask"].bool()  # padding positions are not compared (they differ by design)
+    assert (got[mask] - expected[mask]).abs().max() < TOL
