@@ -2,7 +2,8 @@
 
 Importing this package registers `bert_impl` with transformers' Auto classes (config, every head, and the tokenizer
 from the `tokenization` package), so `AutoModelForX.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`
-give our classes without `trust_remote_code`.
+give our classes without `trust_remote_code`. With peft installed, it also gives "bert_impl" peft's default target
+modules and makes PeftModel move adapters between our module names and stock BERT's (`peft_support`).
 """
 
 from transformers import AutoConfig, AutoTokenizer
