@@ -410,3 +410,25 @@ def test_adapter_without_task_type_names_transformers_class(stock_dir, tmp_path)
         got = auto(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
     mask = inputs["attention_mask"].bool()  # padding positions are not compared (they differ by design)
     assert (got[mask] - expected[mask]).abs().max() < TOL
+
+
+def test_saved_adapter_loads_without_bert_impl(stock_dir, tmp_path, run_without_package):
+    """What a user with only transformers and peft gets from the saved folder: AutoPeftModel on transformers' BERT,
+    our model's logits."""
+    torch.manual_seed(0)
+    model = perturbed(get_peft_model(ours(stock_dir), LoraConfig(task_type="SEQ_CLS", target_modules=["qkv", "down"])))
+    inputs = batch()
+    expected = logits(model, inputs)
+    model.save_pretrained(tmp_path / "adapter")
+    result = run_without_package(f"""
+        import json, torch
+        from peft import AutoPeftModelForSequenceClassification
+
+        model = AutoPeftModelForSequenceClassification.from_pretrained({str(tmp_path / "adapter")!r}).eval()
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor({inputs["input_ids"].tolist()}),
+                        attention_mask=torch.tensor({inputs["attention_mask"].tolist()})).logits
+        print(json.dumps({{"class": type(model.get_base_model()).__name__, "logits": out.tolist()}}))
+        """)
+    assert result["class"] == "BertForSequenceClassification"
+    assert (torch.tensor(result["logits"]) - expected).abs().max() < TOL
