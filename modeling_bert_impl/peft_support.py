@@ -123,11 +123,18 @@ QKV_SPLIT = {
 # Why some methods' adapter on qkv is not three adapters on query/key/value (the others: not shown to be).
 _SHARED_PROJECTIONS = ("its random projections are shared by all modules and each module uses their first rows, so "
                        "query, key and value would all read the rows that only query's part of qkv reads")
+_BASE_DECOMPOSITION = ("it is built on a decomposition (SVD) of the whole (3H, H) base weight, which is not made of the "
+                       "decompositions of query's, key's and value's (H, H) blocks")
 NOT_SPLIT = {
     "LOKR": "its update is a Kronecker product whose factors peft sizes from the whole (3H, H) matrix; an (H, H) "
             "query gets factors of other shapes",
     "VERA": _SHARED_PROJECTIONS,
     "PVERA": _SHARED_PROJECTIONS,
+    "RANDLORA": _SHARED_PROJECTIONS,
+    "ADAMSS": _BASE_DECOMPOSITION,
+    "FROD": _BASE_DECOMPOSITION,
+    "PSOFT": _BASE_DECOMPOSITION,
+    "TINYLORA": _BASE_DECOMPOSITION,
     "FOURIERFT": "its update is the inverse 2-D Fourier transform of a sparse spectrum over the whole (3H, H) matrix",
     "WAVEFT": "its update is an inverse 2-D wavelet transform over the whole (3H, H) matrix",
     "DELORA": "it normalises its update by the norms of B's columns, taken over all 3H rows",
