@@ -2,7 +2,8 @@
 
 Importing this package registers `bert_impl` with transformers' Auto classes (config, every head, and the tokenizer
 from the `tokenization` package), so `AutoModelForX.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`
-give our classes without `trust_remote_code`.
+give our classes without `trust_remote_code`. With peft installed, it also gives "bert_impl" peft's default target
+modules and makes PeftModel move adapters between our module names and stock BERT's (`peft_support`).
 """
 
 from transformers import AutoConfig, AutoTokenizer
@@ -25,7 +26,12 @@ from .modeling_bert_impl import (
 )
 from .model_card import write_model_card
 from .patching import apply_bert_impl, revert_bert_impl
-from .peft_support import convert_stock_lora, register_peft_defaults
+from .peft_support import (
+    convert_adapter_to_stock,
+    convert_adapters_on_save_and_load,
+    convert_stock_adapter,
+    register_peft_defaults,
+)
 from .serving import optimize_for_inference
 
 
@@ -40,6 +46,7 @@ def _register() -> None:
 
 _register()
 register_peft_defaults()  # peft's default target_modules for "bert_impl" (nothing without peft)
+convert_adapters_on_save_and_load()  # adapters in stock BERT's module names where the base is stock BERT
 
 __all__ = [
     "PRESETS",
@@ -58,6 +65,7 @@ __all__ = [
     "write_model_card",
     "apply_bert_impl",
     "revert_bert_impl",
-    "convert_stock_lora",
+    "convert_stock_adapter",
+    "convert_adapter_to_stock",
     "optimize_for_inference",
 ]

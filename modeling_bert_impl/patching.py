@@ -28,7 +28,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.utils import logging
 
 from .modeling_bert_impl import AUTO_CLASSES, STOCK_QKV, STOCK_TO_OURS, checkpoint_conversion
-from .peft_support import convert_stock_adapters_on_load, extend_stock_bert_defaults
+from .peft_support import extend_stock_bert_defaults
 
 logger = logging.get_logger(__name__)
 
@@ -159,14 +159,12 @@ def _auto_classes_with_our_heads():
 def apply_bert_impl() -> None:
     """Make transformers' Auto classes (and so pipelines, sentence-transformers, PEFT) build bert-impl for stock BERT
     checkpoints, with the same outputs. Idempotent; `revert_bert_impl()` undoes it. Models saved afterwards are in
-    the stock format. With peft installed, its default `target_modules` for "bert" gain our module names, and
-    `PeftModel.from_pretrained` converts LoRA adapters trained on stock BERT for our models (`convert_stock_lora`)."""
+    the stock format. With peft installed, its default `target_modules` for "bert" gain our module names."""
     for auto, cls in _auto_classes_with_our_heads():
         if auto not in _saved:
             _saved[auto] = auto._model_mapping._extra_content.get(BertConfig)
         auto.register(BertConfig, cls, exist_ok=True)
     extend_stock_bert_defaults(True)
-    convert_stock_adapters_on_load(True)
 
 
 def revert_bert_impl() -> None:
@@ -178,4 +176,3 @@ def revert_bert_impl() -> None:
             auto._model_mapping._extra_content[BertConfig] = previous
     _saved.clear()
     extend_stock_bert_defaults(False)
-    convert_stock_adapters_on_load(False)

@@ -355,10 +355,13 @@ def test_remote_code_loads_without_the_package(tmp_path, ours, ref, run_without_
             importable = True
         except ImportError:
             importable = False
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, BertTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)
         encoded = tokenizer({[a for a, _ in PAIRS]!r}, {[b for _, b in PAIRS]!r}, truncation=True, max_length=48)
+        # Without remote code: the folder is a BERT tokenizer folder, which transformers' own class reads.
+        stock = BertTokenizer.from_pretrained({str(folder)!r})
+        stock_ids = stock({[a for a, _ in PAIRS]!r}, {[b for _, b in PAIRS]!r}, truncation=True, max_length=48)
         tokenizer.save_pretrained({str(tmp_path / "resaved")!r})
         print(json.dumps({{
             "tokenization_importable": importable,
@@ -366,6 +369,7 @@ def test_remote_code_loads_without_the_package(tmp_path, ours, ref, run_without_
             "module": type(tokenizer).__module__,
             "input_ids": encoded["input_ids"],
             "token_type_ids": encoded["token_type_ids"],
+            "stock_input_ids": stock_ids["input_ids"],
             "resaved_code": os.path.isfile({str(tmp_path / "resaved" / "tokenization_bert_impl.py")!r}),
         }}))
         """,
@@ -377,7 +381,34 @@ def test_remote_code_loads_without_the_package(tmp_path, ours, ref, run_without_
     want = ref([a for a, _ in PAIRS], [b for _, b in PAIRS], truncation=True, max_length=48)
     assert result["input_ids"] == want["input_ids"]
     assert result["token_type_ids"] == want["token_type_ids"]
+    assert result["stock_input_ids"] == want["input_ids"]
     assert result["resaved_code"]
+
+
+def test_saved_folder_loads_through_auto_tokenizer_after_import_tokenization_alone(tmp_path, ours, ref):
+    """The tokenization package alone (no model code imported) is enough for AutoTokenizer to give a saved folder back
+    as BertImplTokenizer, without trust_remote_code: a fresh Python, as a tokenizer-only user has it."""
+    import subprocess
+
+    folder = tmp_path / "tokenizer"
+    ours.save_pretrained(folder)
+    code = f"""
+import json, sys
+import tokenization
+from transformers import AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained({str(folder)!r})
+print(json.dumps({{"class": type(tokenizer).__module__ + "." + type(tokenizer).__name__,
+                  "model_code_imported": "modeling_bert_impl" in sys.modules,
+                  "input_ids": tokenizer({CORPUS!r})["input_ids"]}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["class"] == "tokenization.tokenization_bert_impl.BertImplTokenizer"
+    assert result["model_code_imported"] is False  # one direction of imports: model code imports tokenization
+    assert result["input_ids"] == ref(CORPUS)["input_ids"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
