@@ -440,7 +440,7 @@ def test_damaged_files_finds_each_kind_of_damage(tmp_path):
     assert common.damaged_files(str(checkpoint)) == []
 
     whys = {".safetensors": r"cut off: its tensors end at byte \d+, the file has \d+",
-            ".json": r"not valid JSON: .*, line 1, column \d+", ".pt": "not a complete zip archive, torch.save's format",
+            ".json": r"not valid JSON: .*, line 1, column \d+", ".pt": "not a complete zip archive, torch.save's",
             ".pth": "not a complete zip archive", ".bin": "not a complete zip archive"}
     for path in sorted(checkpoint.iterdir()):
         if path.name == "legacy.pt":
