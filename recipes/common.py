@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import sys
+import zipfile
 from dataclasses import dataclass, field
 
 import datasets
@@ -129,6 +130,125 @@ def missing_training_state(checkpoint: str) -> list[str]:
     return [name for name in TRAINING_STATE if not present[name]]
 
 
+TORCH_LEGACY_MAGIC = b"\x80\x02\x8a\x0a"  # how torch.save's pre-zip format starts (a pickled magic number)
+
+
+def safetensors_damage(path: str) -> str | None:
+    """Why a .safetensors file is damaged, or None: its 8-byte header length, its JSON header and the file's size
+    against the tensors' offsets (what a file cut off fails; nothing but the header is read)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if size < 8 or 8 + length > size:
+            return f"cut off: {size} bytes, too short for its header"
+        try:
+            header = json.loads(f.read(length))
+            end = 8 + length + max((entry["data_offsets"][1] for name, entry in header.items()
+                                    if name != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its header is not a safetensors header"
+    if end != size:
+        return f"{'cut off' if size < end else 'extra bytes'}: its tensors end at byte {end}, the file has {size}"
+    return None
+
+
+def torch_file_damage(path: str) -> str | None:
+    """Why a torch.save file (.pt, .pth, .bin) is damaged, or None: it must be a zip archive whose central directory,
+    written last, is whole (a file cut off has none). Files in torch.save's pre-zip format are not checked."""
+    with open(path, "rb") as f:
+        if f.read(len(TORCH_LEGACY_MAGIC)) == TORCH_LEGACY_MAGIC:
+            return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except zipfile.BadZipFile as error:
+        return f"not a complete zip archive, torch.save's format: {error}"
+    return None if entries else "an empty zip archive"
+
+
+def json_damage(path: str) -> str | None:
+    """Why a .json file is damaged, or None: it must parse; an index of shards (*.index.json) must name shards that
+    are there."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = json.load(f)
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    except json.JSONDecodeError as error:
+        return f"not valid JSON: {error.msg}, line {error.lineno}, column {error.colno}"
+    if path.endswith(".index.json") and isinstance(content, dict) and isinstance(content.get("weight_map"), dict):
+        folder = os.path.dirname(path)
+        missing = sorted({s for s in content["weight_map"].values() if not os.path.isfile(os.path.join(folder, s))})
+        if missing:
+            return f"names shards that are missing: {', '.join(missing)}"
+    return None
+
+
+FILE_CHECKS = {".safetensors": safetensors_damage, ".json": json_damage, ".pt": torch_file_damage,
+               ".pth": torch_file_damage, ".bin": torch_file_damage}
+
+
+def damaged_files(checkpoint: str) -> list[str]:
+    """"PATH (why)" for each file of `checkpoint` (subfolders too) that a full disk or a copy cut off damaged: the
+    weights (.safetensors, sharded or not, .bin), optimizer.pt, scheduler.pt, rng_state*.pth, training_args.bin,
+    trainer_state.json and the other JSON files; each checked cheaply (`FILE_CHECKS`), without loading it."""
+    found = []
+    for folder, subfolders, names in os.walk(checkpoint):
+        subfolders.sort()
+        for name in sorted(names):
+            check, path = FILE_CHECKS.get(os.path.splitext(name)[1]), os.path.join(folder, name)
+            problem = check(path) if check else None
+            if problem:
+                found.append(f"{path} ({problem})")
+    return found
+
+
+def usable_checkpoints(output_dir: str, before: int | None = None, skip: str | None = None):
+    """(checkpoint, damaged files) for the complete checkpoints of `output_dir` (`complete_checkpoints`) before step
+    `before` (all when None) other than `skip`, newest first; checked lazily, so that taking the first intact one
+    reads only as far as needed."""
+    for path in reversed(complete_checkpoints(output_dir)):
+        step = int(CHECKPOINT_NAME.match(os.path.basename(path))[1])
+        if (before is None or step < before) and (skip is None or not os.path.samefile(path, skip)):
+            yield path, damaged_files(path)
+
+
+def newest_older_checkpoint(checkpoint: str) -> str:
+    """A sentence naming the newest complete, undamaged checkpoint older than `checkpoint` (beside it in its folder),
+    for a message that refuses `checkpoint`."""
+    checkpoint = os.path.normpath(checkpoint)
+    parent, match = os.path.dirname(checkpoint) or ".", CHECKPOINT_NAME.match(os.path.basename(checkpoint))
+    for path, damaged in usable_checkpoints(parent, before=int(match[1]) if match else None, skip=checkpoint):
+        if not damaged:
+            return (f"The newest complete older checkpoint is {path}: resume from it with --resume_from_checkpoint "
+                    f"{path} (--resume_from_checkpoint last takes it, skipping damaged ones)")
+    return f"{parent} holds no complete older checkpoint to resume from"
+
+
+def resolve_last(output_dir: str, resume: str) -> str:
+    """The checkpoint `--resume_from_checkpoint true|last` resumes: the newest complete checkpoint of `output_dir`
+    whose files are intact (`damaged_files`). A newer damaged one (a crash or a full disk while saving) is skipped with
+    a warning: the older one continues the same run, its steps after it re-trained with the same losses, and the run
+    replaces the damaged one when it saves that step again."""
+    skipped = []
+    for path, damaged in usable_checkpoints(output_dir):
+        if not damaged:
+            if skipped:
+                logger.warning(f"--resume_from_checkpoint {resume}: the newer checkpoint(s) hold damaged files: "
+                               f"{'; '.join(skipped)}. Falling back to the newest complete checkpoint, {path}: the run "
+                               "continues from there with the losses of an uninterrupted run, and replaces a damaged "
+                               "checkpoint when it saves that step again")
+            logger.warning(f"resuming from the newest complete checkpoint, {path}")
+            return path
+        skipped.extend(damaged)
+    if skipped:
+        raise ValueError(f"--resume_from_checkpoint {resume}: every complete checkpoint of {output_dir} holds damaged "
+                         f"files: {'; '.join(skipped)}. Restore them from a copy, or train afresh into another "
+                         "--output_dir")
+    raise ValueError(f"--resume_from_checkpoint {resume}: {output_dir} holds no complete checkpoint "
+                     f"({PREFIX_CHECKPOINT_DIR}-N folder with trainer_state.json); give a checkpoint's path")
+
+
 def earlier_run(output_dir: str) -> list[str]:
     """What an earlier run left in `output_dir`: checkpoints (complete or not), results files, a trained model."""
     if not os.path.isdir(output_dir):
@@ -141,9 +261,11 @@ def prepare_run(args: TrainingArguments) -> None:
     """Before anything is written, on every process: with --do_train, resolve --resume_from_checkpoint and guard
     --output_dir.
 
-    - `--resume_from_checkpoint true` or `last`: the newest complete checkpoint of --output_dir (an error when there is
-      none); a path: that checkpoint. args.resume_from_checkpoint becomes the path. A checkpoint without its training
-      state (optimizer.pt, scheduler.pt, rng_state.pth) is refused unless --resume_without_training_state.
+    - `--resume_from_checkpoint true` or `last`: the newest complete checkpoint of --output_dir whose files are intact
+      (`resolve_last`: newer damaged ones are skipped with a warning; an error when there is none); a path: that
+      checkpoint, refused when a file of it is damaged (`damaged_files`), with the newest complete older one named.
+      args.resume_from_checkpoint becomes the path. A checkpoint without its training state (optimizer.pt,
+      scheduler.pt, rng_state.pth) is refused unless --resume_without_training_state.
     - An --output_dir holding an earlier run (checkpoints, results, a trained model) is refused unless the run resumes
       or --overwrite_output_dir is given; that flag deletes the earlier checkpoints and results files first, so that the
       folder never mixes two runs."""
@@ -151,19 +273,17 @@ def prepare_run(args: TrainingArguments) -> None:
         return
     output_dir, resume = args.output_dir, args.resume_from_checkpoint
     if resume is not None and resume.lower() in ("true", "last"):
-        checkpoints = complete_checkpoints(output_dir)
-        if not checkpoints:
-            raise ValueError(f"--resume_from_checkpoint {resume}: {output_dir} holds no complete checkpoint "
-                             f"({PREFIX_CHECKPOINT_DIR}-N folder with trainer_state.json); give a checkpoint's path")
-        resume = args.resume_from_checkpoint = checkpoints[-1]
-        logger.warning(f"resuming from the newest complete checkpoint, {resume}")
+        resume = args.resume_from_checkpoint = resolve_last(output_dir, resume)
     if resume is not None:
         if not os.path.isdir(resume):
             raise ValueError(f"--resume_from_checkpoint {resume}: no such checkpoint folder")
         if not os.path.isfile(os.path.join(resume, "trainer_state.json")):
             raise ValueError(f"--resume_from_checkpoint {resume}: not a complete checkpoint (no trainer_state.json, "
-                             "the file the Trainer writes last); resume from an older one (--resume_from_checkpoint "
-                             "last takes the newest complete one)")
+                             f"the file the Trainer writes last). {newest_older_checkpoint(resume)}")
+        damaged = damaged_files(resume)
+        if damaged:  # the user named this checkpoint: refused, not silently replaced by an older one
+            raise ValueError(f"--resume_from_checkpoint {resume}: damaged, as a full disk or a copy cut off leaves a "
+                             f"file: {'; '.join(damaged)}. {newest_older_checkpoint(resume)}")
         missing = missing_training_state(resume)
         if missing and not args.resume_without_training_state:
             raise ValueError(

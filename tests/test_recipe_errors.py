@@ -7,6 +7,7 @@ case takes a fraction of a second; the few runs that train use a tiny bert-impl 
 
 import csv
 import json
+import logging
 import os
 import re
 import sys
@@ -358,12 +359,30 @@ def test_hub_token_reaches_no_file_and_no_log_line(tiny_dir, tmp_path, capsys, c
 # ---------------------------------------------------------------------------------------------------------------------
 # Output directory and resuming, the same in every recipe (the runs as processes: tests/test_recipe_resume.py)
 # ---------------------------------------------------------------------------------------------------------------------
-def fake_checkpoint(output_dir: Path, step: int, files=("model.safetensors", "trainer_state.json", "optimizer.pt",
-                                                        "scheduler.pt", "rng_state.pth")) -> Path:
+CHECKPOINT_FILES = ("model.safetensors", "trainer_state.json", "optimizer.pt", "scheduler.pt", "rng_state.pth")
+
+
+def fake_checkpoint(output_dir: Path, step: int, files=CHECKPOINT_FILES) -> Path:
+    """checkpoint-N holding `files`, each a tiny file in its real format (safetensors, torch.save's zip, JSON)."""
+    import torch
+    from safetensors.torch import save_file
+
     path = output_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
     path.mkdir(parents=True)
     for name in files:
-        (path / name).write_text("{}")
+        if name.endswith(".safetensors"):
+            save_file({"weight": torch.arange(64.0)}, path / name)
+        elif name.endswith(".json"):
+            (path / name).write_text(json.dumps({"global_step": step, "log_history": [{"step": step, "loss": 1.0}]}))
+        else:
+            torch.save({"step": step, "state": torch.arange(64.0)}, path / name)
+    return path
+
+
+def cut_off(path: Path) -> Path:
+    """`path` cut to half its length, as a full disk or an interrupted copy leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
     return path
 
 
@@ -376,6 +395,88 @@ def test_every_recipe_resumes_last_and_guards_the_output_dir(recipe, minilm_dir,
     fake_checkpoint(tmp_path, 5)
     with pytest.raises(ValueError, match="holds an earlier run .*--resume_from_checkpoint last.*--overwrite_output_dir"):
         recipe.main(args)
+
+
+def recipe_args(recipe, minilm_dir, folder: Path) -> list[str]:
+    """Training arguments for `recipe` into `folder`, whose --train_file does not exist (an error once it is read)."""
+    args = ["--model_name_or_path", minilm_dir] if recipe is not run_pretraining else ["--tokenizer_name", minilm_dir]
+    return [*args, "--train_file", str(folder / "train.csv"), "--do_train", "--output_dir", str(folder), *COMMON]
+
+
+@pytest.mark.parametrize("name,last", [("model.safetensors", "last"), ("optimizer.pt", "True"),
+                                       ("trainer_state.json", "last")])
+@pytest.mark.parametrize("recipe", [run_glue, run_ner, run_qa, run_swag, run_pretraining])
+def test_every_recipe_names_a_damaged_checkpoint_file(recipe, name, last, minilm_dir, tmp_path, caplog):
+    """checkpoint-30's `name` cut off: named as the checkpoint's path, it is refused with the file and checkpoint-20
+    named; with `last` (or `True`) the run falls back to checkpoint-20, with a warning naming the file, and goes on
+    (here to its missing data file)."""
+    for step in (10, 20):
+        fake_checkpoint(tmp_path, step)
+    damaged = cut_off(fake_checkpoint(tmp_path, 30) / name)
+    args = recipe_args(recipe, minilm_dir, tmp_path)
+    with pytest.raises(ValueError) as error:
+        recipe.main([*args, "--resume_from_checkpoint", str(damaged.parent)])
+    message = str(error.value)
+    assert message.startswith(f"--resume_from_checkpoint {damaged.parent}: damaged"), message
+    assert f"{damaged} (" in message and "newest complete older checkpoint is " \
+        f"{tmp_path / 'checkpoint-20'}: resume from it" in message, message
+    with caplog.at_level(logging.WARNING, logger="common"), pytest.raises(ValueError, match="train.csv: no such file"):
+        recipe.main([*args, "--resume_from_checkpoint", last])
+    assert f"{damaged} (" in caplog.text and "Falling back" in caplog.text
+    assert f"resuming from the newest complete checkpoint, {tmp_path / 'checkpoint-20'}" in caplog.text
+
+
+def test_damaged_files_finds_each_kind_of_damage(tmp_path):
+    """Every file the Trainer reads on resume, cut off, is named with what is wrong; intact files are not, nor a
+    torch.save file in the pre-zip format (which cannot be checked cheaply)."""
+    import torch
+
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    checkpoint = fake_checkpoint(tmp_path, 10, files=(*CHECKPOINT_FILES, "training_args.bin", "config.json",
+                                                      "scaler.pt", "rng_state_1.pth", *shards))
+    index = checkpoint / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"a": shards[0], "b": shards[1]}}))
+    torch.save({"old": 1}, checkpoint / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert common.damaged_files(str(checkpoint)) == []
+
+    whys = {".safetensors": r"cut off: its tensors end at byte \d+, the file has \d+",
+            ".json": r"not valid JSON: .*, line 1, column \d+", ".pt": "not a complete zip archive, torch.save's",
+            ".pth": "not a complete zip archive", ".bin": "not a complete zip archive"}
+    for path in sorted(checkpoint.iterdir()):
+        if path.name == "legacy.pt":
+            continue
+        intact = path.read_bytes()
+        cut_off(path)
+        damaged = common.damaged_files(str(checkpoint))
+        assert len(damaged) == 1 and damaged[0].startswith(f"{path} (") and \
+            re.search(whys[path.suffix], damaged[0]), damaged
+        path.write_bytes(intact)
+
+    def problem(path: Path, data: bytes) -> str:
+        intact = path.read_bytes()
+        path.write_bytes(data)
+        (found,) = common.damaged_files(str(checkpoint))
+        path.write_bytes(intact)
+        return found
+
+    safetensors = checkpoint / "model.safetensors"
+    assert "extra bytes: its tensors end at byte" in problem(safetensors, safetensors.read_bytes() + b"\0" * 8)
+    assert "cut off: 5 bytes, too short for its header" in problem(safetensors, safetensors.read_bytes()[:5])
+    assert "not a complete zip archive" in problem(checkpoint / "optimizer.pt", b"")
+    assert "not valid JSON" in problem(checkpoint / "trainer_state.json", b"")
+    (checkpoint / shards[1]).unlink()
+    assert common.damaged_files(str(checkpoint)) == [f"{index} (names shards that are missing: {shards[1]})"]
+
+
+def test_last_with_every_checkpoint_damaged_names_them_all(tmp_path):
+    for step, name in ((10, "optimizer.pt"), (20, "model.safetensors")):
+        cut_off(fake_checkpoint(tmp_path, step) / name)
+    with pytest.raises(ValueError, match=r"--resume_from_checkpoint last: every complete checkpoint of .* holds damaged"
+                                         r" files: .*checkpoint-20/model.safetensors \(cut off.*; "
+                                         r".*checkpoint-10/optimizer.pt \(not a complete zip archive"):
+        training_args("--output_dir", tmp_path, "--resume_from_checkpoint", "last")
+    with pytest.raises(ValueError, match=f"checkpoint-20: damaged.*{tmp_path} holds no complete older checkpoint"):
+        training_args("--output_dir", tmp_path, "--resume_from_checkpoint", tmp_path / "checkpoint-20")
 
 
 def training_args(*args):

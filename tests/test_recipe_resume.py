@@ -10,7 +10,8 @@ The kill is deterministic: a wrapper script pauses the save of one step after pa
 (model, optimizer, random state; trainer_state.json not yet), writes a sentinel file, and the test kills it then.
 
 run_ner.py, run_qa.py and run_swag.py resume the same way (`--resume_from_checkpoint last` or `True`), run in this
-process on the same tiny model: the resumed run trains only the steps after the checkpoint's."""
+process on the same tiny model: the resumed run trains only the steps after the checkpoint's. A checkpoint with a file
+cut off (a full disk, an interrupted copy) is refused by name when it is named, and skipped by last/True."""
 
 import hashlib
 import json
@@ -30,6 +31,7 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 sys.path.insert(0, str(RECIPES))
 
 import common  # noqa: E402
+import run_glue  # noqa: E402
 import run_ner  # noqa: E402
 import run_qa  # noqa: E402
 import run_swag  # noqa: E402
@@ -183,12 +185,49 @@ def swag_data(folder: Path) -> list[str]:
     return ["--train_file", str(folder / "train.csv")]
 
 
+def cut_off(path: Path) -> None:
+    """`path` cut to half its length, as a full disk or an interrupted copy leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_files_are_named(setup, reference, tmp_path):
+    """Each file of a real checkpoint-6 that the Trainer reads on resume, cut off: run_glue refuses checkpoint-6 when
+    it is named, naming the file and checkpoint-4, before anything is loaded."""
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    newest = out / f"{PREFIX_CHECKPOINT_DIR}-6"
+    names = sorted(p.name for p in newest.iterdir() if p.suffix in (".safetensors", ".pt", ".pth", ".bin", ".json"))
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin",
+            "trainer_state.json"} <= set(names)
+    for name in names:
+        intact = (newest / name).read_bytes()
+        cut_off(newest / name)
+        with pytest.raises(ValueError) as error:
+            run_glue.main(command(setup, out, "--resume_from_checkpoint", str(newest))[2:])
+        (newest / name).write_bytes(intact)
+        print(error.value)
+        assert str(error.value).startswith(f"--resume_from_checkpoint {newest}: damaged, as a full disk or a copy cut "
+                                           f"off leaves a file: {newest / name} (")
+        assert str(error.value).endswith(f"The newest complete older checkpoint is {out}/checkpoint-4: resume from it "
+                                         f"with --resume_from_checkpoint {out}/checkpoint-4 (--resume_from_checkpoint "
+                                         "last takes it, skipping damaged ones)")
+
+
+# Per recipe: the file cut off in its newest checkpoint, and the --resume_from_checkpoint value that skips it.
+DAMAGED = {"run_ner": ("model.safetensors", "last"), "run_qa": ("optimizer.pt", "True"),
+           "run_swag": ("trainer_state.json", "last")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,data", [(run_ner, ner_data), (run_qa, qa_data), (run_swag, swag_data)],
                          ids=["run_ner", "run_qa", "run_swag"])
-def test_fine_tuning_recipes_resume_last_and_true(recipe, data, setup, tmp_path, monkeypatch):
+def test_fine_tuning_recipes_resume_last_and_true(recipe, data, setup, tmp_path, monkeypatch, caplog):
     """A run of 4 steps saves checkpoint-2 and checkpoint-4; with checkpoint-4 removed, `--resume_from_checkpoint last`
-    (then `True`) continues from checkpoint-2: the second run trains steps 3 and 4 only, on the checkpoint's state."""
+    (then `True`) continues from checkpoint-2: the second run trains steps 3 and 4 only, on the checkpoint's state.
+    Then with a file of checkpoint-4 cut off (`DAMAGED`): checkpoint-4 named is refused, last/True resume from
+    checkpoint-2 the same way and the run's new checkpoint-4 replaces the damaged one."""
     out = tmp_path / "out"
     args = ["--model_name_or_path", setup[0], "--do_train", "--output_dir", str(out), "--max_seq_length", "16",
             "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--max_steps", "4", "--save_steps", "2",
@@ -209,13 +248,28 @@ def test_fine_tuning_recipes_resume_last_and_true(recipe, data, setup, tmp_path,
     checkpoint = out / f"{PREFIX_CHECKPOINT_DIR}-2"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
 
-    for resume in ("last", "True"):
-        shutil.rmtree(out / f"{PREFIX_CHECKPOINT_DIR}-4")
+    damaged_name, damaged_resume = DAMAGED[recipe.__name__]
+    for resume, damage in (("last", None), ("True", None), (damaged_resume, damaged_name)):
+        newest = out / f"{PREFIX_CHECKPOINT_DIR}-4"
+        if damage is None:
+            shutil.rmtree(newest)
+        else:  # cut off: refused when named, skipped by last/True, then replaced by the resumed run's checkpoint-4
+            cut_off(newest / damage)
+            with pytest.raises(ValueError) as error:
+                recipe.main([*args, "--resume_from_checkpoint", str(newest)])
+            print(error.value)
+            assert f"{newest / damage} (" in str(error.value)
+            assert f"newest complete older checkpoint is {checkpoint}: resume from it" in str(error.value)
         trained_from.clear()
         trainer = recipe.main([*args, "--resume_from_checkpoint", resume])
         assert trainer.args.resume_from_checkpoint == str(checkpoint)
+        if damage is not None:
+            skipped = [r.message for r in caplog.records if "Falling back" in r.message]
+            print(skipped)
+            assert len(skipped) == 1 and f"{newest / damage} (" in skipped[0]
         assert trained_from == [2, 3], f"--resume_from_checkpoint {resume} trained from step {trained_from[0]}"
         assert trainer.state.global_step == 4 and checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
         resumed = losses(out)  # steps 1 and 2 from the checkpoint's log history, 3 and 4 trained again
         assert sorted(resumed) == [1, 2, 3, 4]
         assert all(abs(resumed[step] - first[step]) <= 1e-6 for step in (1, 2, 3, 4)), (resumed, first)
+    assert common.damaged_files(str(newest)) == []
