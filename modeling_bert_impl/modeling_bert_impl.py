@@ -11,7 +11,6 @@ outputs once at the end; how (layouts, varlen kernels) is bert_padding.py's busi
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +40,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 
-from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, sequence_starts
+from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers
 from .configuration_bert_impl import BertImplConfig
+from .input_checks import check_inputs
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -334,17 +334,6 @@ class BertImplPreTrainedModel(PreTrainedModel):
             json.dump(config, f, indent=2, sort_keys=True)
 
 
-class BatchFacts(NamedTuple):
-    """What the encoder's forward needs to know about a batch (`_check_inputs`); None where only the host could say
-    (eager reads them, a traced graph does not)."""
-
-    packed: bool  # sequences concatenated in one row (DataCollatorWithFlattening)
-    unpaddable: bool  # padded or packed, so the unpadded encoder has work to skip
-    nnz: int | None  # real tokens
-    max_seqlen: int | None  # the longest sequence
-    num_sequences: int | None  # S of a packed batch
-
-
 class BertImplModel(BertImplPreTrainedModel):
     """The bidirectional encoder: embeddings, L post-LN layers and (optionally) the tanh pooler on [CLS]."""
 
@@ -395,8 +384,8 @@ class BertImplModel(BertImplPreTrainedModel):
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        B, T, batch = self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                         cu_seq_lens_q, cu_seq_lens_k, seq_idx)
+        B, T, batch = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                   cu_seq_lens_q, cu_seq_lens_k, seq_idx)
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if token_type_ids is None:
             token_type_ids = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -460,130 +449,6 @@ class BertImplModel(BertImplPreTrainedModel):
             attentions=tuple(all_attentions) if output_attentions else None,
         )
         return out if return_dict else out.to_tuple()
-
-    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
-                      cu_seq_lens_k, seq_idx) -> tuple[int, int, "BatchFacts"]:
-        """Validate shapes, dtypes and values with a clear ValueError naming the argument, the value and what is
-        expected. Returns B, T and the facts the forward needs about the batch. Eager: everything data-dependent is
-        read in ONE host-device sync. Traced (torch.compile, torch.export): nothing is read; the value checks become
-        one runtime assert in the graph, and the facts the host cannot know are None."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if input_ids is not None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-            B, T = input_ids.shape
-        else:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-                raise ValueError(
-                    f"inputs_embeds must be (batch, seq_len, {self.config.hidden_size}), "
-                    f"got shape {tuple(inputs_embeds.shape)}"
-                )
-            B, T = inputs_embeds.shape[:2]
-        if B == 0:
-            raise ValueError("empty batch: the batch size is 0")
-        if T == 0:
-            raise ValueError("empty sequences: seq_len is 0")
-        for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids),
-                        ("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k), ("seq_idx", seq_idx)):
-            if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-                raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
-            if t is not None and tuple(t.shape) != (B, T):
-                raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {(B, T)}")
-        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B)):
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected (1, {T}) or ({B}, {T})")
-        if position_ids is None and T > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {T} is longer than the position table (max_position_embeddings="
-                f"{self.config.max_position_embeddings}); truncate the input"
-            )
-        marked = cu_seq_lens_q is not None or seq_idx is not None
-        if marked and B != 1:
-            raise ValueError(f"a packed batch has batch size 1 (sequences concatenated), got input of shape {(B, T)}")
-        if cu_seq_lens_k is not None and (cu_seq_lens_q is None or cu_seq_lens_k.shape != cu_seq_lens_q.shape):
-            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: BERT's self-attention has one set of sequences")
-        if cu_seq_lens_q is not None and (cu_seq_lens_q.dim() != 1 or cu_seq_lens_q.shape[0] < 2):
-            raise ValueError(f"cu_seq_lens_q must be (num_sequences + 1,), got shape {tuple(cu_seq_lens_q.shape)}")
-        if seq_idx is not None and seq_idx.numel() != T:
-            raise ValueError(f"seq_idx has shape {tuple(seq_idx.shape)}; expected (1, {T})")
-
-        # Every value check as (value, lowest allowed, highest allowed, message), then every value read at once.
-        V, types, positions = self.config.vocab_size, self.config.type_vocab_size, self.config.max_position_embeddings
-        checks = []
-        if input_ids is not None:
-            checks += [(input_ids.min(), 0, V - 1, f"token id {{}} is outside the vocabulary [0, {V})"),
-                       (input_ids.max(), 0, V - 1, f"token id {{}} is outside the vocabulary [0, {V})")]
-        if token_type_ids is not None:
-            message = f"token type id {{}} is outside [0, type_vocab_size={types})"
-            checks += [(token_type_ids.min(), 0, types - 1, message), (token_type_ids.max(), 0, types - 1, message)]
-        if position_ids is not None:
-            message = f"position id {{}} is outside the position table [0, {positions})"
-            checks += [(position_ids.min(), 0, positions - 1, message), (position_ids.max(), 0, positions - 1, message)]
-        if attention_mask is not None:  # the first value that is neither 0 nor 1, else 0
-            bad = ((attention_mask != 0) & (attention_mask != 1)).flatten()
-            value = torch.where(bad, attention_mask.flatten(), 0).gather(0, bad.int().argmax()[None])[0]
-            checks.append((value, 0, 0, "attention_mask holds {}; expected 0 (padding) or 1 (token)"))
-        if cu_seq_lens_q is not None:
-            cu = cu_seq_lens_q
-            checks += [(cu[0], 0, 0, "cu_seq_lens_q starts at {}; expected 0 (cumulative sequence lengths)"),
-                       (cu[-1], T, T, f"cu_seq_lens_q ends at {{}}; expected the packed length {T}"),
-                       ((cu[1:] - cu[:-1]).min(), 1, float("inf"),
-                        "cu_seq_lens_q must increase strictly (cumulative lengths of non-empty sequences); a step "
-                        "of {} found")]
-            if cu_seq_lens_k is not None:
-                checks.append(((cu_seq_lens_k != cu).sum(), 0, 0,
-                               "cu_seq_lens_k must equal cu_seq_lens_q; {} entries differ"))
-        if marked and attention_mask is not None:
-            checks.append(((attention_mask == 0).sum(), 0, 0, "a packed batch (cu_seq_lens_q or seq_idx) has no "
-                           "padding: its attention_mask must be all ones, it has {} zeros"))
-
-        if torch.compiler.is_compiling():
-            if checks:
-                values = torch.stack([c[0].double() for c in checks])
-                low, high = (values.new_tensor([c[i] for c in checks]) for i in (1, 2))
-                torch._assert_async(((values >= low) & (values <= high)).all(),
-                                    "bert-impl: an input value is out of range; run the model eagerly for which")
-            # Packing needs its markers: under export only cu_seq_lens_q / seq_idx count (the exported graph stays
-            # free of data-dependent shapes); under torch.compile also position_ids with B = 1 (one sequence when
-            # they do not restart: the same result as unpacked).
-            packed = marked or (
-                B == 1 and attention_mask is None and position_ids is not None and not torch.compiler.is_exporting()
-            )
-            padded = attention_mask is not None and not packed
-            unpaddable = (packed or padded) and not torch.compiler.is_exporting()
-            return B, T, BatchFacts(packed, unpaddable, None, None, None)
-
-        # Eager: the batch's own statistics in the same read.
-        facts = []
-        if attention_mask is not None:
-            real = attention_mask != 0
-            facts += [real.sum(), real.sum(-1).max()]  # real tokens, longest sequence
-        packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
-        if packable and cu_seq_lens_q is not None:
-            cu = cu_seq_lens_q
-            facts += [cu.new_tensor(cu.shape[0] - 1), (cu[1:] - cu[:-1]).max()]  # sequences, longest sequence
-        elif packable:  # the sequences and the longest run between their starts
-            starts = sequence_starts(position_ids.flatten() if position_ids is not None else None,
-                                     seq_idx.flatten() if seq_idx is not None else None)  # (T,)
-            start_of = torch.cummax(torch.where(starts, torch.arange(T, device=starts.device), 0), 0).values
-            facts += [starts.sum(), (torch.arange(T, device=starts.device) - start_of).max() + 1]
-        read = [c[0].double() for c in checks] + [f.double() for f in facts]
-        stacked = torch.stack(read).tolist() if read else []
-        values, facts = stacked[:len(checks)], [int(f) for f in stacked[len(checks):]]
-        for value, (_, low, high, message) in zip(values, checks):
-            if not low <= value <= high:  # NaN fails too
-                raise ValueError(message.format(int(value) if value.is_integer() else value))
-
-        nnz, max_seqlen = facts[:2] if attention_mask is not None else (B * T, T)
-        num_sequences, packed = None, marked
-        if packable:
-            num_sequences, packed_max = facts[-2:]
-            packed = marked or num_sequences > 1
-            if packed:
-                max_seqlen = packed_max
-        # A batch of padding only runs padded: nothing to unpad.
-        return B, T, BatchFacts(packed, (packed or nnz < B * T) and nnz > 0, nnz, max_seqlen, num_sequences)
 
     def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str,
                                padding: bool | None = None):
