@@ -181,3 +181,27 @@ def _min_max(t: torch.Tensor, low: float, high: float, message: str) -> list[Val
 def is_integer(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Labels: each head builds its checks with these and passes them to the encoder (`label_checks`)
+# ---------------------------------------------------------------------------------------------------------------------
+def class_label_checks(name: str, labels: torch.Tensor | None, num_classes: int, bound: str, what: str,
+                       hint: str = "") -> list[ValueCheck]:
+    """Class ids in [0, num_classes), or IGNORE_INDEX. `bound` names num_classes in messages ("num_labels=3"),
+    `what` the ids ("class ids", "token ids"). A non-integer dtype is refused at once (`hint` says what else to do)."""
+    if labels is None:
+        return []
+    if not is_integer(labels):
+        raise ValueError(f"{name} must hold integer {what}, got dtype {labels.dtype}{hint}")
+    message = f"{name} holds {{}}; expected {what} in [0, {bound}) or {IGNORE_INDEX} (ignored)"
+    return _min_max(labels.masked_fill(labels == IGNORE_INDEX, 0), 0, num_classes - 1, message)
+
+
+def position_label_checks(**positions: torch.Tensor | None) -> list[ValueCheck]:
+    """Question answering's start/end positions: integer token indices (any value: outside the sequence they are
+    clamped and ignored, as in transformers). Nothing to read."""
+    for name, t in positions.items():
+        if t is not None and not is_integer(t):
+            raise ValueError(f"{name} must hold integer token indices, got dtype {t.dtype}")
+    return []

@@ -42,7 +42,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers
 from .configuration_bert_impl import BertImplConfig
-from .input_checks import check_inputs
+from .input_checks import check_inputs, class_label_checks, position_label_checks
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     A batch whose labels are all `ignore_index` (say an MLM batch with no masked token) has a loss of 0 with zero
     gradients, where transformers' BERT (PyTorch's mean over no element) gives NaN: one such batch cannot poison a
     run. Every head's loss goes through here."""
-    labels = labels.reshape(-1).to(logits.device)
+    labels = labels.reshape(-1).to(logits.device, torch.long)  # any integer dtype; values checked by the encoder
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels, ignore_index=ignore_index,
                             reduction="sum")
     return total / (labels != ignore_index).sum().clamp(min=1)
@@ -224,9 +224,17 @@ def masked_lm(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None
     return logits, cross_entropy(logits, labels)
 
 
-def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config: BertImplConfig) -> torch.Tensor:
+def mlm_label_checks(labels: torch.Tensor | None, config: BertImplConfig) -> list:
+    """MLM labels: token ids in [0, vocab_size) at masked positions, -100 elsewhere."""
+    return class_label_checks("labels", labels, config.vocab_size, f"vocab_size={config.vocab_size}", "token ids")
+
+
+def sequence_classification_label_checks(labels: torch.Tensor | None, config: BertImplConfig) -> list:
     """transformers' `problem_type` contract: regression (MSE), single-label (CE) or multi-label (BCE) classification.
-    An unset problem_type is inferred from num_labels and the labels' dtype, and recorded in the config."""
+    An unset problem_type is inferred from num_labels and the labels' dtype, and recorded in the config. Single-label
+    labels are class ids in [0, num_labels) (or -100): their checks; the other two take floats as they come."""
+    if labels is None:
+        return []
     if config.problem_type is None:
         if config.num_labels == 1:
             config.problem_type = "regression"
@@ -234,6 +242,15 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
             config.problem_type = "single_label_classification"
         else:
             config.problem_type = "multi_label_classification"
+    if config.problem_type != "single_label_classification":
+        return []
+    hint = (" (single-label classification; float labels are for regression, num_labels=1, or multi-label "
+            "classification, problem_type='multi_label_classification')")
+    return class_label_checks("labels", labels, config.num_labels, f"num_labels={config.num_labels}", "class ids", hint)
+
+
+def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config: BertImplConfig) -> torch.Tensor:
+    """The loss of config.problem_type (set by `sequence_classification_label_checks`)."""
     labels = labels.to(logits.device)
     if config.problem_type == "regression":
         if config.num_labels == 1:
@@ -365,6 +382,7 @@ class BertImplModel(BertImplPreTrainedModel):
         max_length_q: int | None = None,
         max_length_k: int | None = None,
         seq_idx: torch.Tensor | None = None,
+        label_checks: list | None = None,
     ) -> BaseModelOutputWithPooling | tuple:
         r"""
         A padded batch (`input_ids` (B, T) with `attention_mask`), or a packed one as transformers'
@@ -375,6 +393,7 @@ class BertImplModel(BertImplPreTrainedModel):
         With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states at padding
         positions are zero when the unpadded path ran (`config.unpad_inputs`), unspecified otherwise.
         `attention_mask` holds 0 (padding) and 1 (token), as bool, integers or floats; other values are refused.
+        `label_checks`: a head's checks of its labels (input_checks.py), read with the encoder's own in one transfer.
 
         Under `torch.compile` the unpadded path runs too (its host-side steps as custom ops, bert_padding.py); under
         `torch.export` the graph is the padded path, and only `cu_seq_lens_q` / `seq_idx` mark a packed batch.
@@ -385,7 +404,7 @@ class BertImplModel(BertImplPreTrainedModel):
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
         B, T, batch = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                   cu_seq_lens_q, cu_seq_lens_k, seq_idx)
+                                   cu_seq_lens_q, cu_seq_lens_k, seq_idx, label_checks or ())
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if token_type_ids is None:
             token_type_ids = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -525,8 +544,10 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
 
         `prediction_logits` is (B, T, V); with labels and `config.sparse_prediction` (off by default), the masked rows
         only: (M, V), M = (labels != -100).sum(), in row-major (B, T) order."""
+        checks = mlm_label_checks(labels, self.config) + class_label_checks(
+            "next_sentence_label", next_sentence_label, 2, "2", "class ids")
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         prediction_logits, mlm_loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
         seq_relationship_logits = self.nsp_head(out.pooler_output)  # (B, 2)
         nsp_loss = cross_entropy(seq_relationship_logits, next_sentence_label) if next_sentence_label is not None else None
@@ -559,8 +580,9 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
                 labels=None, output_attentions=None, output_hidden_states=None, **packing):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. `logits` is (B, T, V); with labels and
         `config.sparse_prediction` (off by default), the masked rows only: (M, V) in row-major (B, T) order."""
+        checks = mlm_label_checks(labels, self.config)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits, loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
         result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
         return result
@@ -576,8 +598,9 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, output_attentions=None, output_hidden_states=None, **packing):
+        checks = class_label_checks("labels", labels, 2, "2", "class ids")
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits = self.nsp_head(out.pooler_output)  # (B, 2)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = NextSentencePredictorOutput(
@@ -603,8 +626,9 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, output_attentions=None, output_hidden_states=None, **packing):
         r"""labels: (B,) class ids, (B,) floats for regression (num_labels == 1), or (B, C) multi-hot floats."""
+        checks = sequence_classification_label_checks(labels, self.config)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits = self.classifier(self.dropout(out.pooler_output))  # (B, C)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         result = SequenceClassifierOutput(
@@ -626,8 +650,9 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, output_attentions=None, output_hidden_states=None, **packing):
         r"""labels: (B, T) class ids, -100 where no label applies (padding, special tokens, later sub-words)."""
+        checks = class_label_checks("labels", labels, self.num_labels, f"num_labels={self.num_labels}", "class ids")
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, T, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
@@ -636,6 +661,10 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
 
 class BertImplForQuestionAnswering(BertImplPreTrainedModel):
     def __init__(self, config: BertImplConfig):
+        if config.num_labels != 2:
+            raise ValueError(
+                f"a question-answering head has num_labels=2 (start and end logits), got num_labels={config.num_labels}"
+            )
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = BertImplModel(config, add_pooling_layer=False)
@@ -651,8 +680,9 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
 
         A span never starts or ends on padding: start/end logits there are the dtype's minimum, in the outputs and in
         the loss. (transformers' BERT lets padding into the softmax, so with padding its loss differs from ours.)"""
+        checks = position_label_checks(start_positions=start_positions, end_positions=end_positions)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits = self.qa_outputs(out.last_hidden_state)  # (B, T, 2)
         if attention_mask is not None:
             logits = logits.masked_fill((attention_mask == 0).unsqueeze(-1), torch.finfo(logits.dtype).min)
@@ -686,8 +716,10 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
             raise ValueError("multiple choice inputs must be (batch, num_choices, seq_len)")
         num_choices = reference.shape[1]
         flat = lambda t: t.flatten(0, 1) if t is not None else None  # (B, C, ...) -> (B * C, ...)
+        checks = class_label_checks("labels", labels, num_choices, f"num_choices={num_choices}", "choice indices")
         out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                        flat(inputs_embeds), output_attentions, output_hidden_states, return_dict=True)
+                        flat(inputs_embeds), output_attentions, output_hidden_states, return_dict=True,
+                        label_checks=checks)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (B, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = MultipleChoiceModelOutput(
