@@ -351,6 +351,15 @@ class BertImplPreTrainedModel(PreTrainedModel):
             json.dump(config, f, indent=2, sort_keys=True)
 
 
+def zero_padding(attention_mask: torch.Tensor | None):
+    """The padded path's re-padding: (B, T, H) -> (B, T, H) with zeros at padding, as the unpadded path re-pads.
+    The identity without a mask (or without padding)."""
+    if attention_mask is None:
+        return lambda h: h
+    padding = (attention_mask == 0).unsqueeze(-1)  # (B, T, 1)
+    return lambda h: h.masked_fill(padding, 0)
+
+
 class BertImplModel(BertImplPreTrainedModel):
     """The bidirectional encoder: embeddings, L post-LN layers and (optionally) the tanh pooler on [CLS]."""
 
@@ -390,8 +399,10 @@ class BertImplModel(BertImplPreTrainedModel):
         by `cu_seq_lens_q`/`max_length_q` (`cu_seq_lens_k`/`max_length_k` must then be equal), or by `seq_idx`.
         Tokens never attend across sequences.
 
-        With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states at padding
-        positions are zero when the unpadded path ran (`config.unpad_inputs`), unspecified otherwise.
+        With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states (the last one
+        and, with `output_hidden_states`, every layer's) are zero at padding positions, on every path (unpadded,
+        padded, compiled, exported): transformers' BERT computes values there that no real token depends on. A row
+        of padding only pools a zero vector.
         `attention_mask` holds 0 (padding) and 1 (token), as bool, integers or floats; other values are refused.
         `label_checks`: a head's checks of its labels (input_checks.py), read with the encoder's own in one transfer.
 
@@ -436,10 +447,10 @@ class BertImplModel(BertImplPreTrainedModel):
         else:
             layout = None
             x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
-            repad = lambda h: h  # noqa: E731
             implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
             padding = None if batch.nnz is None else batch.nnz < B * T  # None: traced, the host cannot say
             mask = self._padded_attention_mask(x, attention_mask, packed_cu_seqlens, implementation, padding)
+            repad = zero_padding(attention_mask if padding is not False and not batch.packed else None)
 
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
@@ -450,16 +461,15 @@ class BertImplModel(BertImplPreTrainedModel):
             if output_attentions:
                 all_attentions.append(weights)
 
-        pooled = None
-        if self.pooler is not None:  # [CLS] is the first real token of each sequence
-            if layout is not None:
-                pooled = self.pooler(layout.first_tokens(x))
-            elif batch.packed:
-                pooled = self.pooler(x[0, packed_cu_seqlens[:-1].long()])
-            else:
-                first = (attention_mask != 0).int().argmax(-1) if attention_mask is not None else torch.zeros(B, dtype=torch.long, device=device)
-                pooled = self.pooler(x[torch.arange(B, device=device), first])
         last = repad(x)  # (B, T, H)
+        pooled = None
+        if self.pooler is not None:  # [CLS] is the first real token of each sequence (a row of padding only: zeros)
+            if batch.packed:
+                pooled = self.pooler(last[0, packed_cu_seqlens[:-1].long()])  # (S, H)
+            else:
+                first = ((attention_mask != 0).int().argmax(-1) if attention_mask is not None
+                         else torch.zeros(B, dtype=torch.long, device=device))  # (B,)
+                pooled = self.pooler(last[torch.arange(B, device=device), first])  # (B, H)
 
         out = BaseModelOutputWithPooling(
             last_hidden_state=last,
