@@ -114,7 +114,7 @@ def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]], seqlens: li
 
     With no token at all (nnz = 0), one filler row holding token 0."""
     starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (S,)
-    rows, real, shapes, offset = [], [], [], 0
+    rows, real, shapes = [], [], []
     for group in groups:
         g = torch.tensor(group, device=starts.device)  # (s_g,)
         shortest, T_g = min(seqlens[i] for i in group), max(seqlens[i] for i in group)
@@ -122,7 +122,6 @@ def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]], seqlens: li
         rows.append((starts[g, None] + torch.minimum(pos, lengths[g, None] - 1)).flatten())  # (s_g * T_g,)
         real.append((pos < lengths[g, None]).flatten())
         shapes.append((len(group), T_g, int(shortest < T_g)))
-        offset += len(group) * T_g
     if not groups:
         return starts.new_zeros(1), torch.zeros(1, dtype=torch.bool, device=starts.device), [(1, 1, 1)]
     return torch.cat(rows), torch.cat(real), shapes

@@ -351,11 +351,14 @@ class BertImplPreTrainedModel(PreTrainedModel):
             json.dump(config, f, indent=2, sort_keys=True)
 
 
+def identity(h: torch.Tensor) -> torch.Tensor:
+    return h
+
+
 def zero_padding(attention_mask: torch.Tensor | None):
-    """The padded path's re-padding: (B, T, H) -> (B, T, H) with zeros at padding, as the unpadded path re-pads.
-    The identity without a mask (or without padding)."""
+    """(B, T, H) -> (B, T, H) with zeros where attention_mask (B, T) is 0; the identity without a mask."""
     if attention_mask is None:
-        return lambda h: h
+        return identity
     padding = (attention_mask == 0).unsqueeze(-1)  # (B, T, 1)
     return lambda h: h.masked_fill(padding, 0)
 
@@ -442,7 +445,7 @@ class BertImplModel(BertImplPreTrainedModel):
                 bucketed=device.type == "cpu" and not (torch.compiler.is_compiling() and torch.is_grad_enabled()),
             )
             x = self.embeddings(*map(layout.unpad, (input_ids, token_type_ids, position_ids, inputs_embeds)))  # (P, H)
-            repad = layout.repad
+            repad, clear = layout.repad, identity  # (P, H) rows: no padding to clear
             mask = None
         else:
             layout = None
@@ -450,12 +453,16 @@ class BertImplModel(BertImplPreTrainedModel):
             implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
             padding = None if batch.nnz is None else batch.nnz < B * T  # None: traced, the host cannot say
             mask = self._padded_attention_mask(x, attention_mask, packed_cu_seqlens, implementation, padding)
-            repad = zero_padding(attention_mask if padding is not False and not batch.packed else None)
+            # Zeros at padding, as the unpadded path re-pads, in the stream itself: the hidden states returned are
+            # the ones the next layer reads (retain_grad on them works). No real token reads a padding position.
+            repad, clear = identity, zero_padding(attention_mask if padding is not False and not batch.packed else None)
 
+        x = clear(x)
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for layer in self.layers:
             x, weights = layer(x, mask, layout, output_attentions)
+            x = clear(x)
             if output_hidden_states:
                 all_hidden.append(repad(x))
             if output_attentions:
