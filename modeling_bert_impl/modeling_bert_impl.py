@@ -405,7 +405,7 @@ class BertImplModel(BertImplPreTrainedModel):
         With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states (the last one
         and, with `output_hidden_states`, every layer's) are zero at padding positions, on every path (unpadded,
         padded, compiled, exported): transformers' BERT computes values there that no real token depends on. A row
-        of padding only pools a zero vector.
+        of padding only pools a zero vector; attention maps at padding queries are those of a zero hidden state.
         `attention_mask` holds 0 (padding) and 1 (token), as bool, integers or floats; other values are refused.
         `label_checks`: a head's checks of its labels (input_checks.py), read with the encoder's own in one transfer.
 

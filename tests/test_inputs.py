@@ -1,6 +1,6 @@
 """The model's own inputs: values a collator or a user can get wrong are refused with a ValueError that names the
 argument, the value and what is expected, by every class (the encoder and its seven heads), on every path (unpadded and
-padded), and checked in one host read."""
+padded), and checked in one host read. Each head's labels too, in the same read."""
 
 import pytest
 import torch

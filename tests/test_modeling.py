@@ -76,9 +76,10 @@ def test_minilm_hidden_states_and_attentions(minilm_dir, minilm_batch):
     mask = minilm_batch["attention_mask"]
     for e, g in zip(expected.hidden_states, got.hidden_states):
         assert real_tokens_max_diff(e, g, mask) < TOL
-    for e, g in zip(expected.attentions, got.attentions):
-        assert g.shape == e.shape
-        assert (e - g).abs().max() < TOL
+    for e, g in zip(expected.attentions, got.attentions):  # (B, N, T, T): the rows of real queries (padding's
+        assert g.shape == e.shape  # hidden states are zeros, by design, so its queries differ from stock's)
+        assert real_tokens_max_diff(e.transpose(1, 2), g.transpose(1, 2), mask) < TOL
+        assert (g.sum(-1) - 1).abs().max() < TOL  # every row a distribution, padding's too
     # Hidden states without attentions take the unpadded path: same values on real tokens.
     with torch.no_grad():
         unpadded = ours(**minilm_batch, output_hidden_states=True)
