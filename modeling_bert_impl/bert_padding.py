@@ -2,7 +2,7 @@
 
 The encoder calls one small interface, `UnpaddedLayout`: `UnpaddedLayout.build(...)` from the attention mask or the
 packing markers (once per forward), then `layout.unpad(t)` (B, T, ...) -> (P, ...), `layout.attend(q, k, v, ...)`
-per layer, `layout.repad(h)` (P, ...) -> (B, T, ...) and `layout.first_tokens(h)` (the [CLS] row of each sequence).
+per layer and `layout.repad(h)` (P, ...) -> (B, T, ...), zeros at padding.
 
 Vocabulary: B batch, T padded length, nnz real (non-padding) tokens in the batch, cu_seqlens the cumulative sequence
 lengths `(S + 1,)` int32 starting at 0 (S sequences; S = B for a padded batch, more for a packed one), P the rows the
@@ -109,26 +109,22 @@ def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]], seqlens: li
     rows (P,): the token each row holds; group after group, sequence after sequence, a sequence's tokens then copies
         of its last token up to its group's longest length T_g (P = sum of s_g * T_g);
     real (P,) bool: the rows that hold their token for the first time (nnz of them);
-    first (S,): the row of each sequence's first token (0 for an empty sequence);
     shapes: (s_g, T_g, filler) per group, filler 1 where a sequence of the group is shorter than T_g (0: no row of the
         group is filler, its attention needs no mask).
 
-    With no token at all (nnz = 0), one filler row holding token 0 (so that `first` points at a row)."""
+    With no token at all (nnz = 0), one filler row holding token 0."""
     starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (S,)
-    first = torch.zeros_like(starts)
-    rows, real, shapes, offset = [], [], [], 0
+    rows, real, shapes = [], [], []
     for group in groups:
         g = torch.tensor(group, device=starts.device)  # (s_g,)
         shortest, T_g = min(seqlens[i] for i in group), max(seqlens[i] for i in group)
         pos = torch.arange(T_g, device=starts.device)  # (T_g,)
         rows.append((starts[g, None] + torch.minimum(pos, lengths[g, None] - 1)).flatten())  # (s_g * T_g,)
         real.append((pos < lengths[g, None]).flatten())
-        first[g] = offset + torch.arange(len(group), device=starts.device) * T_g
         shapes.append((len(group), T_g, int(shortest < T_g)))
-        offset += len(group) * T_g
     if not groups:
-        return starts.new_zeros(1), torch.zeros(1, dtype=torch.bool, device=starts.device), first, [(1, 1, 1)]
-    return torch.cat(rows), torch.cat(real), first, shapes
+        return starts.new_zeros(1), torch.zeros(1, dtype=torch.bool, device=starts.device), [(1, 1, 1)]
+    return torch.cat(rows), torch.cat(real), shapes
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -224,11 +220,11 @@ class BucketedBatch(NamedTuple):
 # ---------------------------------------------------------------------------------------------------------------------
 def _bucketed_layout(tokens: torch.Tensor, cu_seqlens: torch.Tensor, group_cost: int):
     """tokens (nnz,) positions in the flattened batch, cu_seqlens (S + 1,) -> grid (P,) the position each row holds,
-    real (P,) bool, real_rows (nnz,) the rows that hold a real token once, first (S,), shapes (G, 3)."""
+    real (P,) bool, real_rows (nnz,) the rows that hold a real token once, shapes (G, 3)."""
     seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    rows, real, first, shapes = bucketed_rows(cu_seqlens, length_groups(seqlens, group_cost), seqlens)
+    rows, real, shapes = bucketed_rows(cu_seqlens, length_groups(seqlens, group_cost), seqlens)
     grid = tokens[rows] if tokens.numel() else tokens.new_zeros(rows.shape)  # no tokens: the filler row, position 0
-    return grid, real, real.nonzero().flatten(), first, shapes
+    return grid, real, real.nonzero().flatten(), shapes
 
 
 def _register_custom_ops() -> None:
@@ -246,7 +242,7 @@ def _register_custom_ops() -> None:
 
     @torch.library.custom_op("bert_impl::bucketed_layout", mutates_args=())
     def bucketed_layout(tokens: torch.Tensor, cu_seqlens: torch.Tensor, group_cost: int) -> tuple[
-            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         *tensors, shapes = _bucketed_layout(tokens, cu_seqlens, group_cost)
         return *tensors, torch.tensor(shapes, dtype=torch.long, device=tokens.device).view(-1, 3)
 
@@ -256,8 +252,7 @@ def _register_custom_ops() -> None:
         P, nnz, G = ctx.new_dynamic_size(), ctx.new_dynamic_size(), ctx.new_dynamic_size()
         long = dict(dtype=torch.long, device=tokens.device)
         real = torch.empty(P, dtype=torch.bool, device=tokens.device)
-        return (torch.empty(P, **long), real, torch.empty(nnz, **long),
-                torch.empty(cu_seqlens.shape[0] - 1, **long), torch.empty(G, 3, **long))
+        return torch.empty(P, **long), real, torch.empty(nnz, **long), torch.empty(G, 3, **long)
 
     @torch.library.custom_op("bert_impl::bucketed_attention", mutates_args=())
     def bucketed_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
@@ -293,7 +288,6 @@ class UnpaddedLayout(NamedTuple):
 
     grid: torch.Tensor  # (P,) each row's position in the flattened (B * T) input
     real: torch.Tensor | None  # (nnz,) the rows that hold real tokens, once each; None when every row does
-    first: torch.Tensor  # (S,) the row of each sequence's first token ([CLS])
     attention: VarlenBatch | BucketedBatch
     shape: tuple[int, int]  # (B, T)
 
@@ -317,16 +311,14 @@ class UnpaddedLayout(NamedTuple):
             tokens, cu_seqlens = unpad_indices(attention_mask, nnz)  # (nnz,), (S + 1,)
         if bucketed:
             if traced:
-                grid, real, real_rows, first, shapes = torch.ops.bert_impl.bucketed_layout(
-                    tokens, cu_seqlens, BUCKET_GROUP_COST)
+                grid, real, real_rows, shapes = torch.ops.bert_impl.bucketed_layout(tokens, cu_seqlens, BUCKET_GROUP_COST)
             else:
-                grid, real, real_rows, first, shapes = _bucketed_layout(tokens, cu_seqlens, BUCKET_GROUP_COST)
+                grid, real, real_rows, shapes = _bucketed_layout(tokens, cu_seqlens, BUCKET_GROUP_COST)
             # filler keys masked, once per forward
-            return cls(grid, real_rows, first, BucketedBatch(additive_mask(real, dtype), shapes), shape)
+            return cls(grid, real_rows, BucketedBatch(additive_mask(real, dtype), shapes), shape)
         nnz = tokens.shape[0]
         max_seqlen = T if max_seqlen is None else max_seqlen
-        first = cu_seqlens[:-1].clamp(max=nnz - 1).long()  # (S,); an empty sequence points at a neighbour
-        return cls(tokens, None, first, VarlenBatch.build(cu_seqlens, max_seqlen, nnz, dtype), shape)
+        return cls(tokens, None, VarlenBatch.build(cu_seqlens, max_seqlen, nnz, dtype), shape)
 
     def unpad(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """(B, T, ...) -> (P, ...)."""
@@ -341,7 +333,3 @@ class UnpaddedLayout(NamedTuple):
         if self.real is None:
             return pad(h, self.grid, *self.shape)
         return pad(h[self.real], self.grid[self.real], *self.shape)
-
-    def first_tokens(self, h: torch.Tensor) -> torch.Tensor:
-        """(P, ...) -> (S, ...): the row of each sequence's first token."""
-        return h[self.first]

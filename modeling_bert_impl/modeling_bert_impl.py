@@ -11,7 +11,6 @@ outputs once at the end; how (layouts, varlen kernels) is bert_padding.py's busi
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +40,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 
-from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, sequence_starts
+from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers
 from .configuration_bert_impl import BertImplConfig
+from .input_checks import check_inputs, class_label_checks, position_label_checks
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     A batch whose labels are all `ignore_index` (say an MLM batch with no masked token) has a loss of 0 with zero
     gradients, where transformers' BERT (PyTorch's mean over no element) gives NaN: one such batch cannot poison a
     run. Every head's loss goes through here."""
-    labels = labels.reshape(-1).to(logits.device)
+    labels = labels.reshape(-1).to(logits.device, torch.long)  # any integer dtype; values checked by the encoder
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels, ignore_index=ignore_index,
                             reduction="sum")
     return total / (labels != ignore_index).sum().clamp(min=1)
@@ -224,9 +224,17 @@ def masked_lm(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None
     return logits, cross_entropy(logits, labels)
 
 
-def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config: BertImplConfig) -> torch.Tensor:
+def mlm_label_checks(labels: torch.Tensor | None, config: BertImplConfig) -> list:
+    """MLM labels: token ids in [0, vocab_size) at masked positions, -100 elsewhere."""
+    return class_label_checks("labels", labels, config.vocab_size, f"vocab_size={config.vocab_size}", "token ids")
+
+
+def sequence_classification_label_checks(labels: torch.Tensor | None, config: BertImplConfig) -> list:
     """transformers' `problem_type` contract: regression (MSE), single-label (CE) or multi-label (BCE) classification.
-    An unset problem_type is inferred from num_labels and the labels' dtype, and recorded in the config."""
+    An unset problem_type is inferred from num_labels and the labels' dtype, and recorded in the config. Single-label
+    labels are class ids in [0, num_labels) (or -100): their checks; the other two take floats as they come."""
+    if labels is None:
+        return []
     if config.problem_type is None:
         if config.num_labels == 1:
             config.problem_type = "regression"
@@ -234,6 +242,15 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
             config.problem_type = "single_label_classification"
         else:
             config.problem_type = "multi_label_classification"
+    if config.problem_type != "single_label_classification":
+        return []
+    hint = (" (single-label classification; float labels are for regression, num_labels=1, or multi-label "
+            "classification, problem_type='multi_label_classification')")
+    return class_label_checks("labels", labels, config.num_labels, f"num_labels={config.num_labels}", "class ids", hint)
+
+
+def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, config: BertImplConfig) -> torch.Tensor:
+    """The loss of config.problem_type (set by `sequence_classification_label_checks`)."""
     labels = labels.to(logits.device)
     if config.problem_type == "regression":
         if config.num_labels == 1:
@@ -334,15 +351,16 @@ class BertImplPreTrainedModel(PreTrainedModel):
             json.dump(config, f, indent=2, sort_keys=True)
 
 
-class BatchFacts(NamedTuple):
-    """What the encoder's forward needs to know about a batch (`_check_inputs`); None where only the host could say
-    (eager reads them, a traced graph does not)."""
+def identity(h: torch.Tensor) -> torch.Tensor:
+    return h
 
-    packed: bool  # sequences concatenated in one row (DataCollatorWithFlattening)
-    unpaddable: bool  # padded or packed, so the unpadded encoder has work to skip
-    nnz: int | None  # real tokens
-    max_seqlen: int | None  # the longest sequence
-    num_sequences: int | None  # S of a packed batch
+
+def zero_padding(attention_mask: torch.Tensor | None):
+    """(B, T, H) -> (B, T, H) with zeros where attention_mask (B, T) is 0; the identity without a mask."""
+    if attention_mask is None:
+        return identity
+    padding = (attention_mask == 0).unsqueeze(-1)  # (B, T, 1)
+    return lambda h: h.masked_fill(padding, 0)
 
 
 class BertImplModel(BertImplPreTrainedModel):
@@ -376,6 +394,7 @@ class BertImplModel(BertImplPreTrainedModel):
         max_length_q: int | None = None,
         max_length_k: int | None = None,
         seq_idx: torch.Tensor | None = None,
+        label_checks: list | None = None,
     ) -> BaseModelOutputWithPooling | tuple:
         r"""
         A padded batch (`input_ids` (B, T) with `attention_mask`), or a packed one as transformers'
@@ -383,9 +402,12 @@ class BertImplModel(BertImplPreTrainedModel):
         by `cu_seq_lens_q`/`max_length_q` (`cu_seq_lens_k`/`max_length_k` must then be equal), or by `seq_idx`.
         Tokens never attend across sequences.
 
-        With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states at padding
-        positions are zero when the unpadded path ran (`config.unpad_inputs`), unspecified otherwise.
+        With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states (the last one
+        and, with `output_hidden_states`, every layer's) are zero at padding positions, on every path (unpadded,
+        padded, compiled, exported): transformers' BERT computes values there that no real token depends on. A row
+        of padding only pools a zero vector; attention maps at padding queries are those of a zero hidden state.
         `attention_mask` holds 0 (padding) and 1 (token), as bool, integers or floats; other values are refused.
+        `label_checks`: a head's checks of its labels (input_checks.py), read with the encoder's own in one transfer.
 
         Under `torch.compile` the unpadded path runs too (its host-side steps as custom ops, bert_padding.py); under
         `torch.export` the graph is the padded path, and only `cu_seq_lens_q` / `seq_idx` mark a packed batch.
@@ -395,8 +417,8 @@ class BertImplModel(BertImplPreTrainedModel):
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        B, T, batch = self._check_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                         cu_seq_lens_q, cu_seq_lens_k, seq_idx)
+        B, T, batch = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                   cu_seq_lens_q, cu_seq_lens_k, seq_idx, label_checks or ())
         device = input_ids.device if input_ids is not None else inputs_embeds.device
         if token_type_ids is None:
             token_type_ids = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -423,35 +445,38 @@ class BertImplModel(BertImplPreTrainedModel):
                 bucketed=device.type == "cpu" and not (torch.compiler.is_compiling() and torch.is_grad_enabled()),
             )
             x = self.embeddings(*map(layout.unpad, (input_ids, token_type_ids, position_ids, inputs_embeds)))  # (P, H)
-            repad = layout.repad
+            repad, clear = layout.repad, identity  # (P, H) rows: no padding to clear
             mask = None
         else:
             layout = None
             x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
-            repad = lambda h: h  # noqa: E731
             implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
             padding = None if batch.nnz is None else batch.nnz < B * T  # None: traced, the host cannot say
             mask = self._padded_attention_mask(x, attention_mask, packed_cu_seqlens, implementation, padding)
+            # Zeros at padding, as the unpadded path re-pads, in the stream itself: the hidden states returned are
+            # the ones the next layer reads (retain_grad on them works). No real token reads a padding position.
+            repad, clear = identity, zero_padding(attention_mask if padding is not False and not batch.packed else None)
 
+        x = clear(x)
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for layer in self.layers:
             x, weights = layer(x, mask, layout, output_attentions)
+            x = clear(x)
             if output_hidden_states:
                 all_hidden.append(repad(x))
             if output_attentions:
                 all_attentions.append(weights)
 
-        pooled = None
-        if self.pooler is not None:  # [CLS] is the first real token of each sequence
-            if layout is not None:
-                pooled = self.pooler(layout.first_tokens(x))
-            elif batch.packed:
-                pooled = self.pooler(x[0, packed_cu_seqlens[:-1].long()])
-            else:
-                first = (attention_mask != 0).int().argmax(-1) if attention_mask is not None else torch.zeros(B, dtype=torch.long, device=device)
-                pooled = self.pooler(x[torch.arange(B, device=device), first])
         last = repad(x)  # (B, T, H)
+        pooled = None
+        if self.pooler is not None:  # [CLS] is the first real token of each sequence (a row of padding only: zeros)
+            if batch.packed:
+                pooled = self.pooler(last[0, packed_cu_seqlens[:-1].long()])  # (S, H)
+            else:
+                first = ((attention_mask != 0).int().argmax(-1) if attention_mask is not None
+                         else torch.zeros(B, dtype=torch.long, device=device))  # (B,)
+                pooled = self.pooler(last[torch.arange(B, device=device), first])  # (B, H)
 
         out = BaseModelOutputWithPooling(
             last_hidden_state=last,
@@ -460,130 +485,6 @@ class BertImplModel(BertImplPreTrainedModel):
             attentions=tuple(all_attentions) if output_attentions else None,
         )
         return out if return_dict else out.to_tuple()
-
-    def _check_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
-                      cu_seq_lens_k, seq_idx) -> tuple[int, int, "BatchFacts"]:
-        """Validate shapes, dtypes and values with a clear ValueError naming the argument, the value and what is
-        expected. Returns B, T and the facts the forward needs about the batch. Eager: everything data-dependent is
-        read in ONE host-device sync. Traced (torch.compile, torch.export): nothing is read; the value checks become
-        one runtime assert in the graph, and the facts the host cannot know are None."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if input_ids is not None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-            B, T = input_ids.shape
-        else:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-                raise ValueError(
-                    f"inputs_embeds must be (batch, seq_len, {self.config.hidden_size}), "
-                    f"got shape {tuple(inputs_embeds.shape)}"
-                )
-            B, T = inputs_embeds.shape[:2]
-        if B == 0:
-            raise ValueError("empty batch: the batch size is 0")
-        if T == 0:
-            raise ValueError("empty sequences: seq_len is 0")
-        for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids),
-                        ("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k), ("seq_idx", seq_idx)):
-            if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-                raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
-        for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
-            if t is not None and tuple(t.shape) != (B, T):
-                raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {(B, T)}")
-        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B)):
-            raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected (1, {T}) or ({B}, {T})")
-        if position_ids is None and T > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {T} is longer than the position table (max_position_embeddings="
-                f"{self.config.max_position_embeddings}); truncate the input"
-            )
-        marked = cu_seq_lens_q is not None or seq_idx is not None
-        if marked and B != 1:
-            raise ValueError(f"a packed batch has batch size 1 (sequences concatenated), got input of shape {(B, T)}")
-        if cu_seq_lens_k is not None and (cu_seq_lens_q is None or cu_seq_lens_k.shape != cu_seq_lens_q.shape):
-            raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: BERT's self-attention has one set of sequences")
-        if cu_seq_lens_q is not None and (cu_seq_lens_q.dim() != 1 or cu_seq_lens_q.shape[0] < 2):
-            raise ValueError(f"cu_seq_lens_q must be (num_sequences + 1,), got shape {tuple(cu_seq_lens_q.shape)}")
-        if seq_idx is not None and seq_idx.numel() != T:
-            raise ValueError(f"seq_idx has shape {tuple(seq_idx.shape)}; expected (1, {T})")
-
-        # Every value check as (value, lowest allowed, highest allowed, message), then every value read at once.
-        V, types, positions = self.config.vocab_size, self.config.type_vocab_size, self.config.max_position_embeddings
-        checks = []
-        if input_ids is not None:
-            checks += [(input_ids.min(), 0, V - 1, f"token id {{}} is outside the vocabulary [0, {V})"),
-                       (input_ids.max(), 0, V - 1, f"token id {{}} is outside the vocabulary [0, {V})")]
-        if token_type_ids is not None:
-            message = f"token type id {{}} is outside [0, type_vocab_size={types})"
-            checks += [(token_type_ids.min(), 0, types - 1, message), (token_type_ids.max(), 0, types - 1, message)]
-        if position_ids is not None:
-            message = f"position id {{}} is outside the position table [0, {positions})"
-            checks += [(position_ids.min(), 0, positions - 1, message), (position_ids.max(), 0, positions - 1, message)]
-        if attention_mask is not None:  # the first value that is neither 0 nor 1, else 0
-            bad = ((attention_mask != 0) & (attention_mask != 1)).flatten()
-            value = torch.where(bad, attention_mask.flatten(), 0).gather(0, bad.int().argmax()[None])[0]
-            checks.append((value, 0, 0, "attention_mask holds {}; expected 0 (padding) or 1 (token)"))
-        if cu_seq_lens_q is not None:
-            cu = cu_seq_lens_q
-            checks += [(cu[0], 0, 0, "cu_seq_lens_q starts at {}; expected 0 (cumulative sequence lengths)"),
-                       (cu[-1], T, T, f"cu_seq_lens_q ends at {{}}; expected the packed length {T}"),
-                       ((cu[1:] - cu[:-1]).min(), 1, float("inf"),
-                        "cu_seq_lens_q must increase strictly (cumulative lengths of non-empty sequences); a step "
-                        "of {} found")]
-            if cu_seq_lens_k is not None:
-                checks.append(((cu_seq_lens_k != cu).sum(), 0, 0,
-                               "cu_seq_lens_k must equal cu_seq_lens_q; {} entries differ"))
-        if marked and attention_mask is not None:
-            checks.append(((attention_mask == 0).sum(), 0, 0, "a packed batch (cu_seq_lens_q or seq_idx) has no "
-                           "padding: its attention_mask must be all ones, it has {} zeros"))
-
-        if torch.compiler.is_compiling():
-            if checks:
-                values = torch.stack([c[0].double() for c in checks])
-                low, high = (values.new_tensor([c[i] for c in checks]) for i in (1, 2))
-                torch._assert_async(((values >= low) & (values <= high)).all(),
-                                    "bert-impl: an input value is out of range; run the model eagerly for which")
-            # Packing needs its markers: under export only cu_seq_lens_q / seq_idx count (the exported graph stays
-            # free of data-dependent shapes); under torch.compile also position_ids with B = 1 (one sequence when
-            # they do not restart: the same result as unpacked).
-            packed = marked or (
-                B == 1 and attention_mask is None and position_ids is not None and not torch.compiler.is_exporting()
-            )
-            padded = attention_mask is not None and not packed
-            unpaddable = (packed or padded) and not torch.compiler.is_exporting()
-            return B, T, BatchFacts(packed, unpaddable, None, None, None)
-
-        # Eager: the batch's own statistics in the same read.
-        facts = []
-        if attention_mask is not None:
-            real = attention_mask != 0
-            facts += [real.sum(), real.sum(-1).max()]  # real tokens, longest sequence
-        packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
-        if packable and cu_seq_lens_q is not None:
-            cu = cu_seq_lens_q
-            facts += [cu.new_tensor(cu.shape[0] - 1), (cu[1:] - cu[:-1]).max()]  # sequences, longest sequence
-        elif packable:  # the sequences and the longest run between their starts
-            starts = sequence_starts(position_ids.flatten() if position_ids is not None else None,
-                                     seq_idx.flatten() if seq_idx is not None else None)  # (T,)
-            start_of = torch.cummax(torch.where(starts, torch.arange(T, device=starts.device), 0), 0).values
-            facts += [starts.sum(), (torch.arange(T, device=starts.device) - start_of).max() + 1]
-        read = [c[0].double() for c in checks] + [f.double() for f in facts]
-        stacked = torch.stack(read).tolist() if read else []
-        values, facts = stacked[:len(checks)], [int(f) for f in stacked[len(checks):]]
-        for value, (_, low, high, message) in zip(values, checks):
-            if not low <= value <= high:  # NaN fails too
-                raise ValueError(message.format(int(value) if value.is_integer() else value))
-
-        nnz, max_seqlen = facts[:2] if attention_mask is not None else (B * T, T)
-        num_sequences, packed = None, marked
-        if packable:
-            num_sequences, packed_max = facts[-2:]
-            packed = marked or num_sequences > 1
-            if packed:
-                max_seqlen = packed_max
-        # A batch of padding only runs padded: nothing to unpad.
-        return B, T, BatchFacts(packed, (packed or nnz < B * T) and nnz > 0, nnz, max_seqlen, num_sequences)
 
     def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str,
                                padding: bool | None = None):
@@ -660,8 +561,10 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
 
         `prediction_logits` is (B, T, V); with labels and `config.sparse_prediction` (off by default), the masked rows
         only: (M, V), M = (labels != -100).sum(), in row-major (B, T) order."""
+        checks = mlm_label_checks(labels, self.config) + class_label_checks(
+            "next_sentence_label", next_sentence_label, 2, "2", "class ids")
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         prediction_logits, mlm_loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
         seq_relationship_logits = self.nsp_head(out.pooler_output)  # (B, 2)
         nsp_loss = cross_entropy(seq_relationship_logits, next_sentence_label) if next_sentence_label is not None else None
@@ -694,8 +597,9 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
                 labels=None, output_attentions=None, output_hidden_states=None, **packing):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. `logits` is (B, T, V); with labels and
         `config.sparse_prediction` (off by default), the masked rows only: (M, V) in row-major (B, T) order."""
+        checks = mlm_label_checks(labels, self.config)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits, loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
         result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
         return result
@@ -711,8 +615,9 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, output_attentions=None, output_hidden_states=None, **packing):
+        checks = class_label_checks("labels", labels, 2, "2", "class ids")
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits = self.nsp_head(out.pooler_output)  # (B, 2)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = NextSentencePredictorOutput(
@@ -738,8 +643,9 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, output_attentions=None, output_hidden_states=None, **packing):
         r"""labels: (B,) class ids, (B,) floats for regression (num_labels == 1), or (B, C) multi-hot floats."""
+        checks = sequence_classification_label_checks(labels, self.config)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits = self.classifier(self.dropout(out.pooler_output))  # (B, C)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         result = SequenceClassifierOutput(
@@ -761,8 +667,9 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, output_attentions=None, output_hidden_states=None, **packing):
         r"""labels: (B, T) class ids, -100 where no label applies (padding, special tokens, later sub-words)."""
+        checks = class_label_checks("labels", labels, self.num_labels, f"num_labels={self.num_labels}", "class ids")
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, T, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
@@ -771,6 +678,10 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
 
 class BertImplForQuestionAnswering(BertImplPreTrainedModel):
     def __init__(self, config: BertImplConfig):
+        if config.num_labels != 2:
+            raise ValueError(
+                f"a question-answering head has num_labels=2 (start and end logits), got num_labels={config.num_labels}"
+            )
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = BertImplModel(config, add_pooling_layer=False)
@@ -786,8 +697,9 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
 
         A span never starts or ends on padding: start/end logits there are the dtype's minimum, in the outputs and in
         the loss. (transformers' BERT lets padding into the softmax, so with padding its loss differs from ours.)"""
+        checks = position_label_checks(start_positions=start_positions, end_positions=end_positions)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, **packing)
+                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
         logits = self.qa_outputs(out.last_hidden_state)  # (B, T, 2)
         if attention_mask is not None:
             logits = logits.masked_fill((attention_mask == 0).unsqueeze(-1), torch.finfo(logits.dtype).min)
@@ -821,8 +733,10 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
             raise ValueError("multiple choice inputs must be (batch, num_choices, seq_len)")
         num_choices = reference.shape[1]
         flat = lambda t: t.flatten(0, 1) if t is not None else None  # (B, C, ...) -> (B * C, ...)
+        checks = class_label_checks("labels", labels, num_choices, f"num_choices={num_choices}", "choice indices")
         out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                        flat(inputs_embeds), output_attentions, output_hidden_states, return_dict=True)
+                        flat(inputs_embeds), output_attentions, output_hidden_states, return_dict=True,
+                        label_checks=checks)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (B, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = MultipleChoiceModelOutput(

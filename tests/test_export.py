@@ -1,9 +1,11 @@
 """Deployment: every class through torch.export (dynamic batch and sequence) and torch.onnx.export(dynamo=True), run as
-an ExportedProgram and in onnxruntime on a padded mixed-length batch of another shape than the export example, against
-eager; torch.compile(fullgraph=True) on padded and packed batches; the export command end to end on MiniLM.
+an ExportedProgram and in onnxruntime on a batch of another shape than the export example, against eager;
+torch.compile(fullgraph=True) on padded and packed batches; the export command end to end on MiniLM.
 
-Small random configs, fp32, eval mode. Outputs over (B, T) positions are compared on the real tokens (eager's unpadded
-path leaves zeros at padding, the exported padded path whatever attention gives there)."""
+Small random configs, fp32, eval mode. As transformers' own export tests (`ExportTesterMixin`) do, every class runs on
+random attention masks with holes (zeros anywhere in a row) and every output element is compared, padding positions
+included: hidden states are zero there on every path (eager unpadded in both layouts, eager padded, compiled,
+exported, ONNX)."""
 
 import functools
 import json
@@ -30,6 +32,8 @@ TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_he
 CLASSES = ["BertImplModel", "BertImplForPreTraining", "BertImplForMaskedLM", "BertImplForNextSentencePrediction",
            "BertImplForSequenceClassification", "BertImplForTokenClassification", "BertImplForQuestionAnswering",
            "BertImplForMultipleChoice"]
+PER_POSITION = ["BertImplModel", "BertImplForPreTraining", "BertImplForMaskedLM", "BertImplForTokenClassification",
+                "BertImplForQuestionAnswering"]  # the classes with outputs at every position
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,6 +63,31 @@ def padded_batch(lengths: list[int], seed: int, choices: int | None = None) -> d
     return {k: v.view(-1, choices, T) for k, v in batch.items()} if choices else batch
 
 
+def holed_batch(B: int, T: int, seed: int, choices: int | None = None) -> dict:
+    """transformers' model-tester inputs: random ids and token types, a random attention mask (zeros anywhere, the
+    last position a token, as `random_attention_mask` makes it); (B, choices, T) for multiple choice."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (B, choices, T) if choices else (B, T)
+    mask = torch.randint(0, 2, shape, generator=g)
+    mask[..., -1] = 1
+    return {"input_ids": torch.randint(0, TINY["vocab_size"], shape, generator=g), "attention_mask": mask,
+            "token_type_ids": torch.randint(0, 2, shape, generator=g)}
+
+
+def every_element(got, expected) -> tuple[int, float]:
+    """All outputs (nested tuples of tensors or arrays), every element: asserts each within atol = rtol = TOL of
+    eager (transformers' export tests allow 5% of elements outside) and returns (elements compared, max |diff|)."""
+    got, expected = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)
+    assert len(got) == len(expected)
+    count, worst = 0, 0.0
+    for g, e in zip(got, expected):
+        g = torch.as_tensor(g)
+        assert g.shape == e.shape
+        torch.testing.assert_close(g, e, atol=TOL, rtol=TOL)
+        count, worst = count + e.numel(), max(worst, (g - e).abs().max().item())
+    return count, worst
+
+
 def max_diff(got, expected, mask) -> float:
     """max |diff|, over the real tokens where the tensors are (B, T, ...) like the mask."""
     got, expected = torch.as_tensor(got), torch.as_tensor(expected)
@@ -67,13 +96,20 @@ def max_diff(got, expected, mask) -> float:
     return (got - expected).abs().max().item()
 
 
+def build_class(name: str, **config):
+    """A tiny model of the class, eval mode, every layer's hidden states in its outputs."""
+    torch.manual_seed(0)
+    num_labels = 2 if name == "BertImplForQuestionAnswering" else 3
+    config = BertImplConfig(**{**TINY, "num_labels": num_labels, "output_hidden_states": True, **config})
+    return getattr(bi, name)(config).eval()
+
+
 def export_class(name: str):
     """The model, its exported program with dynamic batch and sequence dims, and the same as an ONNX program."""
-    torch.manual_seed(0)
-    config = BertImplConfig(**{**TINY, "num_labels": 2 if name == "BertImplForQuestionAnswering" else 3})
-    model = getattr(bi, name)(config).eval()
+    model = build_class(name)
+    config = model.config
     choices = 2 if name == "BertImplForMultipleChoice" else None
-    example = padded_batch([9, 4, 7, 9], seed=0, choices=choices)
+    example = holed_batch(4, 9, seed=0, choices=choices)
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=config.max_position_embeddings)
     dims = {0: batch, 2: seq} if choices else {0: batch, 1: seq}
     with torch.no_grad():
@@ -86,24 +122,50 @@ def export_class(name: str):
 
 @pytest.mark.parametrize("name", CLASSES)
 def test_every_class_exports_with_dynamic_shapes_and_runs_in_onnxruntime(name, tmp_path):
+    """Every output element, hidden states included, on another B and T than the example, against eager (unpadded)."""
     model, program, onnx_program, choices = export_class(name)
-    batch = padded_batch([5, 13, 2, 8, 11, 13], seed=1, choices=choices)  # another B and T than the example
-    mask = batch["attention_mask"]
+    batch = holed_batch(6, 13, seed=1, choices=choices)
     with torch.no_grad():
-        expected = [t for t in model(**batch).to_tuple()]
-        exported = program.module()(**batch).to_tuple()
-    assert len(exported) == len(expected)
-    for got, want in zip(exported, expected):
-        assert got.shape == want.shape and max_diff(got, want, mask) <= TOL
+        expected = model(**batch).to_tuple()
+        every_element(program.module()(**batch).to_tuple(), expected)
 
     path = tmp_path / "model.onnx"
     onnx_program.save(str(path))
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == list(batch)
-    outputs = session.run(None, {k: v.numpy() for k, v in batch.items()})
-    assert len(outputs) == len(expected)
-    for got, want in zip(outputs, expected):
-        assert got.shape == tuple(want.shape) and max_diff(got, want, mask) <= TOL
+    every_element(session.run(None, {k: v.numpy() for k, v in batch.items()}), expected)
+
+
+def exact_layout(monkeypatch):
+    """Make the unpadded encoder take the exact layout (P = nnz, the varlen kernel) on CPU too."""
+    from modeling_bert_impl.bert_padding import UnpaddedLayout
+
+    build = UnpaddedLayout.build.__func__
+    monkeypatch.setattr(UnpaddedLayout, "build", classmethod(lambda cls, *a, bucketed, **k: build(cls, *a, **k,
+                                                                                                    bucketed=False)))
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_every_path_gives_eager_answer_at_every_position(name, monkeypatch):
+    """One behaviour at padding on every path: each path's outputs, every element, against eager's (unpadded,
+    bucketed layout on CPU) on a batch with holes in its masks."""
+    model = build_class(name)
+    choices = 2 if name == "BertImplForMultipleChoice" else None
+    batch = holed_batch(5, 7, seed=2, choices=choices)
+    with torch.no_grad():
+        expected = model(**batch).to_tuple()
+        padded = build_class(name, unpad_inputs=False)
+        every_element(padded(**batch).to_tuple(), expected)  # padded sdpa
+        padded.set_attn_implementation("eager")
+        every_element(padded(**batch).to_tuple(), expected)  # padded eager attention
+        every_element(padded(**batch, output_attentions=True).to_tuple()[:len(expected)], expected)
+        every_element(torch.export.export(model, (), batch).module()(**batch).to_tuple(), expected)  # static shapes
+        if name in PER_POSITION:  # (the pooled heads' compiled graphs are the encoder's, then one linear layer)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+            every_element(compiled(**batch).to_tuple(), expected)  # bucketed layout, its host steps as custom ops
+        exact_layout(monkeypatch)  # (the layout torch.compile takes for training)
+        every_element(model(**batch).to_tuple(), expected)
 
 
 def test_static_export_also_with_the_padded_path():
@@ -116,6 +178,26 @@ def test_static_export_also_with_the_padded_path():
         got, expected = program.module()(**batch), model(**batch)
     assert max_diff(got.last_hidden_state, expected.last_hidden_state, batch["attention_mask"]) <= TOL
     assert max_diff(got.pooler_output, expected.pooler_output, batch["attention_mask"]) <= TOL
+
+
+def test_a_row_of_padding_only_is_zeros_on_every_path(monkeypatch):
+    """Hidden states of a row without a token are zeros, and it pools a zero vector, on every path."""
+    model = build_class("BertImplModel")
+    batch = padded_batch([6, 0, 3, 6], seed=3)
+    zeros = torch.zeros(4, 6, TINY["hidden_size"])
+    expected = (zeros, torch.tanh(model.pooler.dense.bias).expand(4, -1))  # where the mask is 0
+    padded = build_class("BertImplModel", unpad_inputs=False)
+    with torch.no_grad():
+        outputs = {"unpadded": model(**batch), "padded": padded(**batch),
+                   "exported": torch.export.export(model, (), batch).module()(**batch)}
+        exact_layout(monkeypatch)
+        outputs["exact layout"] = model(**batch)
+    padding, empty = batch["attention_mask"] == 0, batch["attention_mask"].sum(-1) == 0
+    for path, out in outputs.items():
+        assert torch.equal(out.last_hidden_state[padding], expected[0][padding]), path
+        assert all(torch.equal(h[padding], expected[0][padding]) for h in out.hidden_states), path
+        torch.testing.assert_close(out.pooler_output[empty], expected[1][empty], atol=0, rtol=0, msg=path)
+        every_element(out.to_tuple(), outputs["unpadded"].to_tuple())
 
 
 @pytest.mark.parametrize("backend", ["dynamo", "onnx"])

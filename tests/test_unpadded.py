@@ -70,10 +70,9 @@ def test_length_groups():
 
 def test_bucketed_rows():
     cu_seqlens = torch.tensor([0, 3, 5, 5, 6])  # lengths 3, 2, 0, 1
-    rows, real, first, shapes = bucketed_rows(cu_seqlens, [[3], [1, 0]], [3, 2, 0, 1])
+    rows, real, shapes = bucketed_rows(cu_seqlens, [[3], [1, 0]], [3, 2, 0, 1])
     assert rows.tolist() == [5, 3, 4, 4, 0, 1, 2]  # seq 3 | seq 1, its last token repeated | seq 0
     assert real.tolist() == [True, True, True, False, True, True, True]
-    assert first.tolist() == [4, 1, 0, 0]  # the empty sequence points anywhere (row 0)
     assert shapes == [(1, 1, 0), (2, 3, 1)]  # (sequences, longest, filler rows?) per group
 
 
@@ -110,7 +109,7 @@ def test_bucketed_layout_exact(group_cost):
     torch.manual_seed(0)
     cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).int()
     qkv = torch.randn(sum(LENGTHS), 3, 2, 8, requires_grad=True)
-    rows, real, _, shapes = bucketed_rows(cu_seqlens, length_groups(LENGTHS, group_cost), LENGTHS)
+    rows, real, shapes = bucketed_rows(cu_seqlens, length_groups(LENGTHS, group_cost), LENGTHS)
     q, k, v = qkv[rows].unbind(1)  # (P, N, D) each
     got = bp.bucketed_attention(q, k, v, bp.additive_mask(real, q.dtype), shapes, 0.3, 0.0)[real]  # sorted by length
     expected = attention_per_sequence(*qkv.unbind(1), LENGTHS, 0.3)[rows[real]]
@@ -279,7 +278,7 @@ def test_layers_compile_without_graph_breaks():
     lengths = [5, 9, 2]
     cu_seqlens = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).int()
     x = torch.randn(sum(lengths), config.hidden_size)
-    rows, real, _, shapes = bucketed_rows(cu_seqlens, length_groups(lengths, 0), lengths)
+    rows, real, shapes = bucketed_rows(cu_seqlens, length_groups(lengths, 0), lengths)
     inputs = {
         "padded": (torch.randn(3, 9, config.hidden_size), model._padded_attention_mask(
             torch.randn(3, 9, config.hidden_size), sequence_mask(cu_seqlens, 9).long(), None, "sdpa"), None),

@@ -1,0 +1,207 @@
+"""Input validation for the encoder and its heads. Bad input is a ValueError that names the argument, the value and
+the valid range; it never surfaces as a traceback from deep inside torch.
+
+Shapes and dtypes are known on the host and checked at once. Values are not: every value check is a `ValueCheck`
+(a 0-d tensor, the lowest and highest allowed, a message), and all of a forward's checks, the encoder's (ids, masks,
+packing markers) and its head's (labels, from the `*_label_checks` helpers, passed to the encoder as
+`label_checks`), are read in ONE host-device transfer together with the facts the forward needs about the batch
+(`BatchFacts`). Under torch.compile and torch.export nothing is read: the checks become one assert in the graph.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from .bert_padding import sequence_starts
+
+IGNORE_INDEX = -100  # a label that no loss counts (padding, special tokens, unmasked positions), as in transformers
+
+
+class ValueCheck(NamedTuple):
+    value: torch.Tensor  # 0-d
+    low: float  # lowest allowed
+    high: float  # highest allowed
+    message: str  # "{}" where the value goes
+
+
+class BatchFacts(NamedTuple):
+    """What the encoder's forward needs to know about a batch; None where only the host could say (eager reads them,
+    a traced graph does not)."""
+
+    packed: bool  # sequences concatenated in one row (DataCollatorWithFlattening)
+    unpaddable: bool  # padded or packed, so the unpadded encoder has work to skip
+    nnz: int | None  # real tokens
+    max_seqlen: int | None  # the longest sequence
+    num_sequences: int | None  # S of a packed batch
+
+
+def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
+                 cu_seq_lens_k, seq_idx, label_checks=()) -> tuple[int, int, BatchFacts]:
+    """Validate the encoder's inputs (and a head's `label_checks`). Returns B, T and the facts about the batch.
+    Eager: every value check and fact in one host-device transfer. Traced: one runtime assert, facts None."""
+    B, T = _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                         cu_seq_lens_q, cu_seq_lens_k, seq_idx)
+    marked = cu_seq_lens_q is not None or seq_idx is not None
+    checks = _value_checks(config, input_ids, attention_mask, token_type_ids, position_ids, cu_seq_lens_q,
+                           cu_seq_lens_k, marked, T) + list(label_checks)
+
+    if torch.compiler.is_compiling():
+        if checks:
+            device = checks[0].value.device
+            values = torch.stack([c.value.double().to(device) for c in checks])
+            low, high = (values.new_tensor([c[i] for c in checks]) for i in (1, 2))
+            torch._assert_async(((values >= low) & (values <= high)).all(),
+                                "bert-impl: an input value is out of range; run the model eagerly for which")
+        # Packing needs its markers: under export only cu_seq_lens_q / seq_idx count (the exported graph stays free
+        # of data-dependent shapes); under torch.compile also position_ids with B = 1 (one sequence when they do not
+        # restart: the same result as unpacked).
+        packed = marked or (
+            B == 1 and attention_mask is None and position_ids is not None and not torch.compiler.is_exporting()
+        )
+        padded = attention_mask is not None and not packed
+        unpaddable = (packed or padded) and not torch.compiler.is_exporting()
+        return B, T, BatchFacts(packed, unpaddable, None, None, None)
+
+    # Eager: the batch's own statistics in the same read.
+    facts = []
+    if attention_mask is not None:
+        real = attention_mask != 0
+        facts += [real.sum(), real.sum(-1).max()]  # real tokens, longest sequence
+    packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
+    if packable and cu_seq_lens_q is not None:
+        cu = cu_seq_lens_q
+        facts += [cu.new_tensor(cu.shape[0] - 1), (cu[1:] - cu[:-1]).max()]  # sequences, longest sequence
+    elif packable:  # the sequences and the longest run between their starts
+        starts = sequence_starts(position_ids.flatten() if position_ids is not None else None,
+                                 seq_idx.flatten() if seq_idx is not None else None)  # (T,)
+        start_of = torch.cummax(torch.where(starts, torch.arange(T, device=starts.device), 0), 0).values
+        facts += [starts.sum(), (torch.arange(T, device=starts.device) - start_of).max() + 1]
+    read = [c.value for c in checks] + facts
+    device = read[0].device if read else None
+    stacked = torch.stack([t.double().to(device) for t in read]).tolist() if read else []  # the one transfer
+    values, facts = stacked[:len(checks)], [int(f) for f in stacked[len(checks):]]
+    for value, check in zip(values, checks):
+        if not check.low <= value <= check.high:  # NaN fails too
+            raise ValueError(check.message.format(int(value) if value.is_integer() else value))
+
+    nnz, max_seqlen = facts[:2] if attention_mask is not None else (B * T, T)
+    num_sequences, packed = None, marked
+    if packable:
+        num_sequences, packed_max = facts[-2:]
+        packed = marked or num_sequences > 1
+        if packed:
+            max_seqlen = packed_max
+    # A batch of padding only runs padded: nothing to unpad.
+    return B, T, BatchFacts(packed, (packed or nnz < B * T) and nnz > 0, nnz, max_seqlen, num_sequences)
+
+
+def _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
+                  cu_seq_lens_k, seq_idx) -> tuple[int, int]:
+    """Shapes and dtypes, on the host: B, T, or a ValueError."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    if input_ids is not None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must be (batch, seq_len, {config.hidden_size}), got shape {tuple(inputs_embeds.shape)}"
+            )
+        B, T = inputs_embeds.shape[:2]
+    if B == 0:
+        raise ValueError("empty batch: the batch size is 0")
+    if T == 0:
+        raise ValueError("empty sequences: seq_len is 0")
+    for name, t in (("input_ids", input_ids), ("token_type_ids", token_type_ids), ("position_ids", position_ids),
+                    ("cu_seq_lens_q", cu_seq_lens_q), ("cu_seq_lens_k", cu_seq_lens_k), ("seq_idx", seq_idx)):
+        if t is not None and not is_integer(t):
+            raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        if t is not None and tuple(t.shape) != (B, T):
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {(B, T)}")
+    if position_ids is not None and (
+        position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B)
+    ):
+        raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected (1, {T}) or ({B}, {T})")
+    if position_ids is None and T > config.max_position_embeddings:
+        raise ValueError(
+            f"sequence length {T} is longer than the position table (max_position_embeddings="
+            f"{config.max_position_embeddings}); truncate the input"
+        )
+    if (cu_seq_lens_q is not None or seq_idx is not None) and B != 1:
+        raise ValueError(f"a packed batch has batch size 1 (sequences concatenated), got input of shape {(B, T)}")
+    if cu_seq_lens_k is not None and (cu_seq_lens_q is None or cu_seq_lens_k.shape != cu_seq_lens_q.shape):
+        raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q: BERT's self-attention has one set of sequences")
+    if cu_seq_lens_q is not None and (cu_seq_lens_q.dim() != 1 or cu_seq_lens_q.shape[0] < 2):
+        raise ValueError(f"cu_seq_lens_q must be (num_sequences + 1,), got shape {tuple(cu_seq_lens_q.shape)}")
+    if seq_idx is not None and seq_idx.numel() != T:
+        raise ValueError(f"seq_idx has shape {tuple(seq_idx.shape)}; expected (1, {T})")
+    return B, T
+
+
+def _value_checks(config, input_ids, attention_mask, token_type_ids, position_ids, cu_seq_lens_q, cu_seq_lens_k,
+                  marked: bool, T: int) -> list[ValueCheck]:
+    """The encoder's value checks, unread."""
+    V, types, positions = config.vocab_size, config.type_vocab_size, config.max_position_embeddings
+    checks = []
+    if input_ids is not None:
+        checks += _min_max(input_ids, 0, V - 1, f"token id {{}} is outside the vocabulary [0, {V})")
+    if token_type_ids is not None:
+        checks += _min_max(token_type_ids, 0, types - 1, f"token type id {{}} is outside [0, type_vocab_size={types})")
+    if position_ids is not None:
+        checks += _min_max(position_ids, 0, positions - 1,
+                           f"position id {{}} is outside the position table [0, {positions})")
+    if attention_mask is not None:  # the first value that is neither 0 nor 1, else 0
+        bad = ((attention_mask != 0) & (attention_mask != 1)).flatten()
+        value = torch.where(bad, attention_mask.flatten(), 0).gather(0, bad.int().argmax()[None])[0]
+        checks.append(ValueCheck(value, 0, 0, "attention_mask holds {}; expected 0 (padding) or 1 (token)"))
+    if cu_seq_lens_q is not None:
+        cu = cu_seq_lens_q
+        checks += [ValueCheck(cu[0], 0, 0, "cu_seq_lens_q starts at {}; expected 0 (cumulative sequence lengths)"),
+                   ValueCheck(cu[-1], T, T, f"cu_seq_lens_q ends at {{}}; expected the packed length {T}"),
+                   ValueCheck((cu[1:] - cu[:-1]).min(), 1, float("inf"),
+                              "cu_seq_lens_q must increase strictly (cumulative lengths of non-empty sequences); a "
+                              "step of {} found")]
+        if cu_seq_lens_k is not None:
+            checks.append(ValueCheck((cu_seq_lens_k != cu).sum(), 0, 0,
+                                     "cu_seq_lens_k must equal cu_seq_lens_q; {} entries differ"))
+    if marked and attention_mask is not None:
+        checks.append(ValueCheck((attention_mask == 0).sum(), 0, 0, "a packed batch (cu_seq_lens_q or seq_idx) has no "
+                                 "padding: its attention_mask must be all ones, it has {} zeros"))
+    return checks
+
+
+def _min_max(t: torch.Tensor, low: float, high: float, message: str) -> list[ValueCheck]:
+    """Every value of t in [low, high]: its smallest and its largest."""
+    return [ValueCheck(t.min(), low, high, message), ValueCheck(t.max(), low, high, message)]
+
+
+def is_integer(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Labels: each head builds its checks with these and passes them to the encoder (`label_checks`)
+# ---------------------------------------------------------------------------------------------------------------------
+def class_label_checks(name: str, labels: torch.Tensor | None, num_classes: int, bound: str, what: str,
+                       hint: str = "") -> list[ValueCheck]:
+    """Class ids in [0, num_classes), or IGNORE_INDEX. `bound` names num_classes in messages ("num_labels=3"),
+    `what` the ids ("class ids", "token ids"). A non-integer dtype is refused at once (`hint` says what else to do)."""
+    if labels is None:
+        return []
+    if not is_integer(labels):
+        raise ValueError(f"{name} must hold integer {what}, got dtype {labels.dtype}{hint}")
+    message = f"{name} holds {{}}; expected {what} in [0, {bound}) or {IGNORE_INDEX} (ignored)"
+    return _min_max(labels.masked_fill(labels == IGNORE_INDEX, 0), 0, num_classes - 1, message)
+
+
+def position_label_checks(**positions: torch.Tensor | None) -> list[ValueCheck]:
+    """Question answering's start/end positions: integer token indices (any value: outside the sequence they are
+    clamped and ignored, as in transformers). Nothing to read."""
+    for name, t in positions.items():
+        if t is not None and not is_integer(t):
+            raise ValueError(f"{name} must hold integer token indices, got dtype {t.dtype}")
+    return []
