@@ -54,7 +54,8 @@ FORWARD_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.15, torch.float16: 0.025}
 # largest |diff| over a parameter's gradient relative to that gradient's largest entry, worst parameter. fp32 is
 # bounded by the same roundoff as the forward; under autocast every matmul's inputs are rounded to 8 (bf16) or 11
 # (fp16) bits, so the relative error of a gradient is a few times the unit roundoff times the depth. Measured on CPU:
-# fp32 2.3e-6, bf16 2.4-3.2e-2, fp16 2.7-3.0e-3 (the worst parameter is a LayerNorm weight).
+# fp32 2.3e-6, bf16 2.4-3.2e-2, fp16 2.7-3.0e-3 (the worst parameter is a LayerNorm weight; fp16 measured once, then
+# left to CUDA: see the skip).
 GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
@@ -265,6 +266,9 @@ def config_unpads(model, implementation: str, layout: str) -> bool:
 @pytest.mark.parametrize("layout", ["padded", "unpadded", "packed_position_ids"])
 def test_gradients_match_float64_reference(minilm_dir, batch, reference, layout, dtype, record_property):
     """One training step (train mode, dropout off) in fp32 or under autocast, as Trainer's bf16/fp16 runs it."""
+    if dtype == torch.float16 and not CUDA:
+        pytest.skip("fp16 autocast's backward on CPU runs 3x slower than bf16's here (no fp16 training on CPU in "
+                    "practice); the forward tests cover fp16 on CPU, CUDA runs this")
     model = configure(trainable(minilm_dir), "sdpa", layout)
     model.zero_grad(set_to_none=True)
     inputs = on(layout_inputs(batch, layout), DEVICE)
@@ -358,21 +362,18 @@ COMPILE_BACKEND = "inductor" if CUDA else "aot_eager"  # see the module docstrin
 
 @pytest.mark.parametrize("layout", ["padded", "packed_position_ids"])
 def test_compiled_fullgraph_forward_and_backward_match_eager(minilm_dir, batch, layout):
-    """fp32: the compiled model's outputs (eval) and gradients (train, the exact unpadded layout) against eager's."""
+    """fp32, a training step (the exact unpadded layout under compile): the compiled model's outputs and gradients
+    against eager's."""
     model = configure(trainable(minilm_dir), "sdpa", layout)
     inputs = on(layout_inputs(batch, layout), DEVICE)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND)
-
     results = {}
     for label, run in (("compiled", compiled), ("eager", model)):
-        model.eval()
-        with torch.no_grad():
-            hidden = real_rows(run(**inputs).last_hidden_state, batch, layout).cpu().double()
-        model.train()
         model.zero_grad(set_to_none=True)
         out = run(**inputs)
         probe_loss(out.last_hidden_state, out.pooler_output, batch, layout).backward()
+        hidden = real_rows(out.last_hidden_state, batch, layout).detach().cpu().double()
         results[label] = hidden, {n: p.grad.cpu().double() for n, p in model.named_parameters()}
     (hidden, grads), (expected, expected_grads) = results["compiled"], results["eager"]
     assert (hidden - expected).abs().max() < FORWARD_TOL[torch.float32]
@@ -404,11 +405,13 @@ def peak_memory_bytes(step) -> int:
 
 
 def test_peak_memory_of_a_training_step_is_not_above_transformers(minilm_dir, record_property):
-    """A mixed-length batch (lengths 8..128, about 60% real tokens), forward + backward, fp32 on CPU, bf16 autocast
-    on CUDA: ours against transformers' BertModel (sdpa) loaded from the same folder. Recorded; asserted only as
+    """A mixed-length batch (lengths 8..128 on CUDA, 8..64 on CPU; about half real tokens), forward + backward, fp32
+    on CPU, bf16 autocast on CUDA: ours against transformers' BertModel (sdpa) loaded from the same folder. Recorded; asserted only as
     "not higher"."""
     g = torch.Generator().manual_seed(2)
-    lengths = (torch.randn(64 if CUDA else 16, generator=g) * 0.5).exp().mul(60).round().clamp(8, 128).long().tolist()
+    longest = 128 if CUDA else 64
+    lengths = (torch.randn(64 if CUDA else 16, generator=g) * 0.5).exp().mul(longest * 0.45).round().clamp(8, longest)
+    lengths = lengths.long().tolist()
     mixed = padded_batch(lengths, seed=3)
     inputs = on(mixed, DEVICE)
     autocast = torch.autocast(DEVICE, dtype=torch.bfloat16) if CUDA else contextlib.nullcontext()
