@@ -3,6 +3,7 @@
     python benchmarks/bench_model.py                  # CPU: 2 threads, all-MiniLM-L6-v2 weights, fp32
     python benchmarks/bench_model.py --device cuda    # GPU: BERT-base config, random weights, bf16 autocast, MFU
     python benchmarks/bench_model.py --compile --skip-train   # + our encoder under torch.compile (inductor)
+    python benchmarks/bench_model.py --device cuda --shapes --mfu base:128 large:512 --mfu-compile base:128  # MFU
 
 Both models get the same weights (a stock `BertForPreTraining` folder; MiniLM has no pre-training heads, so those are
 random and shared). Every measurement alternates the two models on the same batches and reports medians:
@@ -18,6 +19,13 @@ random and shared). Every measurement alternates the two models on the same batc
   torch.cuda.max_memory_allocated;
 - accuracy (fp32, eval): max |diff| on real tokens of the last hidden states vs transformers and vs our own eager
   (padded, reference) path, and the pre-training loss difference.
+
+With `--mfu PRESET:T ...`, also a pre-training step (forward with MLM + NSP labels, backward, fused AdamW) of a
+preset at full length T (no padding, as pre-training packs its examples; 15% of the tokens masked, the MLM decoder on
+the masked rows as the recipe runs it), bf16 autocast on GPU, with its model FLOPs utilisation (`model_flops`):
+MFU = model FLOPs of the step / measured step time / the device's peak dense bf16 FLOP/s (datasheet: H100 SXM 989
+TFLOP/s; `--peak-tflops` to override; where the device is not in the table, the measured matmul throughput).
+`--mfu-compile` times the named steps under torch.compile as well.
 
 Sequence lengths are drawn like sentence lengths: log-normal around 55% of the maximum, clipped to [lo, hi]; each
 batch is padded to its longest sequence, as a dynamic-padding collator does.
@@ -74,7 +82,13 @@ def sentence_lengths(lo: int, hi: int, n: int, generator: torch.Generator) -> to
 
 def make_batch(lo: int, hi: int, batch: int, vocab: int, generator: torch.Generator, device: str) -> dict:
     """A padded pre-training batch: [CLS] A [SEP] B [SEP], 15% of the inner tokens masked, random NSP labels."""
-    lengths = sentence_lengths(lo, hi, batch, generator)
+    return batch_from_lengths(sentence_lengths(lo, hi, batch, generator), vocab, generator, device)
+
+
+def batch_from_lengths(lengths: torch.Tensor, vocab: int, generator: torch.Generator, device: str) -> dict:
+    """A batch of sequences of the given lengths (B,), padded to the longest: [CLS] A [SEP] B [SEP], 15% of the inner
+    tokens masked, random NSP labels."""
+    batch = lengths.shape[0]
     T = int(lengths.max())
     pos = torch.arange(T)
     real = pos < lengths[:, None]  # (B, T)
@@ -201,6 +215,98 @@ def accuracy(ref, ours, batch: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Pre-training step of a preset at full length: step time and MFU
+# ---------------------------------------------------------------------------------------------------------------------
+# Dense bf16 tensor-core peaks from the datasheets (without sparsity), FLOP/s, by a substring of the device name.
+DATASHEET_BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "H800": 989e12,
+                       "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+
+
+def datasheet_peak_flops(device_name: str) -> float | None:
+    return next((peak for key, peak in DATASHEET_BF16_PEAK.items() if key in device_name), None)
+
+
+def model_flops(config, sequence_lengths: list[int], masked: int) -> float:
+    """FLOPs of one training step (forward + backward = 3x the forward's; a multiply-add is 2 FLOPs) of
+    BertForPreTraining with sparse MLM prediction, counting matrix products only (as MFU does):
+
+        6 * n * L * (4 H^2 + 2 H I)        the dense layers on the n real tokens (QKV, attention output, FFN)
+      + 12 * L * H * sum_s T_s^2           attention scores and their weighted sum, per sequence of T_s tokens
+      + 6 * M * (H^2 + H * V)              the MLM head (transform + decoder) on the M masked tokens
+      + 6 * S * (H^2 + 2 H)                pooler and NSP classifier on the S sequences
+
+    Embedding look-ups, LayerNorm, softmax, GELU and the optimizer are not counted. A decoder run on every token (as
+    transformers' BERT does) would count 6 * n * H * V more: this is the smaller, honest count for sparse prediction."""
+    L, H, I, V = config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size
+    n, S = sum(sequence_lengths), len(sequence_lengths)
+    return (6 * n * L * (4 * H * H + 2 * H * I) + 12 * L * H * sum(t * t for t in sequence_lengths)
+            + 6 * masked * (H * H + H * V) + 6 * S * (H * H + 2 * H))
+
+
+def median_step_time(model, compile: bool, batches: list, args) -> float:
+    """Median seconds of a training step (forward, backward, fused AdamW) after warm-up steps. Compiled without
+    fullgraph: the sparse MLM decoder's masked rows have a data-dependent count."""
+    model.to(args.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    run = torch.compile(model) if compile else model
+    for i in range(args.mfu_warmup):
+        training_step(run, optimizer, batches[i % 2], args.device)
+    samples = []
+    for i in range(args.mfu_steps):
+        synchronize(args.device)
+        start = time.perf_counter()
+        training_step(run, optimizer, batches[i % 2], args.device)
+        synchronize(args.device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def bench_mfu(spec: str, args, peak_flops: float | None, measured_flops: float | None):
+    """One PRESET:T: step time of ours (eager, and compiled where --mfu-compile names it) and transformers', and
+    the MFU of each."""
+    preset, T = spec.split(":")
+    T = int(T)
+    config = modeling_bert_impl.BertImplConfig.from_preset(preset, sparse_prediction=True, max_position_embeddings=max(512, T))
+    stock_config = BertConfig(**{k: getattr(config, k) for k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+        "max_position_embeddings", "type_vocab_size")})
+    batch_size = max(1, args.mfu_tokens // T)
+    generator = torch.Generator().manual_seed(args.seed)
+    batches = [batch_from_lengths(torch.full((batch_size,), T), config.vocab_size, generator, args.device)
+               for _ in range(2)]  # no padding, as pre-training packs its examples
+    masked = int((batches[0]["labels"] != -100).sum())
+    flops = model_flops(config, [T] * batch_size, masked)
+    torch.manual_seed(args.seed)
+    models = {"bert-impl": BertImplForPreTraining(config)}
+    if spec in args.mfu_compile:
+        models["bert-impl + compile"] = models["bert-impl"]
+    models["transformers"] = BertForPreTraining._from_config(stock_config, attn_implementation="sdpa")
+    times = {}
+    for name, model in models.items():
+        try:
+            times[name] = median_step_time(model, name.endswith("compile"), batches, args)
+        except Exception as error:  # noqa: BLE001 (a contender that fails is reported, the others still run)
+            print(f"  {name}: failed: {type(error).__name__}: {str(error)[:300]}")
+        model.to("cpu")
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    precision = "bf16 autocast" if args.device == "cuda" else "fp32"
+    print(f"\npre-training step, preset {preset}, {batch_size} x {T} tokens (no padding, {masked} masked), "
+          f"{precision}: model FLOPs {flops / 1e12:.4g} TFLOP per step")
+    print(f"  {'step time, ms (median)':<30} " + " | ".join(f"{n} {1e3 * t:,.1f}" for n, t in times.items()))
+    if "transformers" in times:
+        report("training step, tok/s", {n: batch_size * T / t for n, t in times.items()})
+    if not times:
+        return
+    if peak_flops:
+        print(f"  {'MFU vs ' + f'{peak_flops / 1e12:.0f} TFLOP/s peak':<30} "
+              + " | ".join(f"{n} {flops / t / peak_flops:.1%}" for n, t in times.items()))
+    if measured_flops:
+        print(f"  {'vs measured matmul ' + f'{measured_flops / 1e12:.0f} TFLOP/s':<30} "
+              + " | ".join(f"{n} {flops / t / measured_flops:.1%}" for n, t in times.items()))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------------------
 def report(title: str, values: dict):
@@ -276,20 +382,30 @@ def bench_shape(folder: str, lo: int, hi: int, batch_size: int, args, peak_flops
               + " | ".join(f"{n} {6 * n_params * r / peak_flops:.1%}" for n, r in rates.items()))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
-    parser.add_argument("--shapes", nargs="+", default=None,
+    parser.add_argument("--shapes", nargs="*", default=None,
                         help="LO:HI:BATCH, lengths drawn in [LO, HI]; default 8:128:64 32:512:16 (CPU), "
-                             "8:128:64 32:512:64 (GPU)")
+                             "8:128:64 32:512:64 (GPU); none to skip")
     parser.add_argument("--batches", type=int, default=3, help="distinct batches per shape")
     parser.add_argument("--repeats", type=int, default=3, help="passes over the batches")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also time our encoder under torch.compile (inductor)")
-    args = parser.parse_args()
-    shapes = args.shapes or (["8:128:64", "32:512:16"] if args.device == "cpu" else ["8:128:64", "32:512:64"])
+    parser.add_argument("--mfu", nargs="*", default=[], metavar="PRESET:T",
+                        help="pre-training steps of these presets at full length T, with MFU (e.g. base:128 large:512)")
+    parser.add_argument("--mfu-compile", nargs="*", default=[], metavar="PRESET:T",
+                        help="of the --mfu steps, those to time under torch.compile too (inductor)")
+    parser.add_argument("--mfu-tokens", type=int, default=32768, help="tokens per pre-training step (batch = this / T)")
+    parser.add_argument("--mfu-steps", type=int, default=10, help="timed pre-training steps (median reported)")
+    parser.add_argument("--mfu-warmup", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's dense bf16 peak for MFU (default: datasheet by device name)")
+    args = parser.parse_args(argv)
+    if args.shapes is None:
+        args.shapes = ["8:128:64", "32:512:16"] if args.device == "cpu" else ["8:128:64", "32:512:64"]
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
@@ -298,18 +414,25 @@ def main():
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f", {torch.get_num_threads()} threads"))
     print("command: python " + " ".join(sys.argv))
     weights = "all-MiniLM-L6-v2" if args.device == "cpu" else "BERT-base config, random weights"
-    print(f"weights: {weights}; precision: {'fp32' if args.device == 'cpu' else 'bf16 autocast'} "
-          "(accuracy checks in fp32)")
-    peak_flops = None
+    if args.shapes:
+        print(f"weights (mixed-length batches): {weights}; precision: "
+              f"{'fp32' if args.device == 'cpu' else 'bf16 autocast'} (accuracy checks in fp32)")
+    peak_flops = measured_flops = None
     if args.device == "cuda":
-        peak_flops = bf16_matmul_peak_flops(args.device)
+        measured_flops = bf16_matmul_peak_flops(args.device)
+        name = torch.cuda.get_device_name()
+        peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else datasheet_peak_flops(name) or measured_flops
         flash = modeling_bert_impl.bert_padding.flash_attn_varlen_func is not None
-        print(f"measured bf16 matmul peak: {peak_flops / 1e12:.0f} TFLOP/s; flash_attn varlen: {flash}")
+        print(f"MFU peak: {peak_flops / 1e12:.0f} TFLOP/s dense bf16 ({name}); measured bf16 matmul (8192^3): "
+              f"{measured_flops / 1e12:.0f} TFLOP/s; flash_attn varlen: {flash}")
     with tempfile.TemporaryDirectory() as folder:
-        write_weights(args.device, folder)
-        for shape in shapes:
+        if args.shapes:
+            write_weights(args.device, folder)
+        for shape in args.shapes:
             lo, hi, batch_size = (int(x) for x in shape.split(":"))
             bench_shape(folder, lo, hi, batch_size, args, peak_flops)
+    for spec in args.mfu:
+        bench_mfu(spec, args, peak_flops, measured_flops)
 
 
 if __name__ == "__main__":

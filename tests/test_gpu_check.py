@@ -1,0 +1,52 @@
+"""The GPU check's logic on the CPU: the MFU numerator against torch's own FLOP counter, and `gpu_check.py
+--device cpu` end to end on its 2-process DDP part (gloo), results file included."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import modeling_bert_impl as bi
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench_model  # noqa: E402
+import gpu_check  # noqa: E402
+
+
+@pytest.mark.parametrize("lengths", [[40, 40, 40], [16] * 5])
+def test_model_flops_equal_torch_flop_counter(lengths):
+    """bench_model.model_flops (the MFU numerator) for a pre-training step with sparse prediction, forward and
+    backward, equals what torch.utils.flop_counter counts for the same step (every mm, addmm, bmm) on a full-length
+    batch, as the MFU step runs."""
+    config = bi.BertImplConfig(vocab_size=1500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=96, sparse_prediction=True)
+    torch.manual_seed(0)
+    model = bi.BertImplForPreTraining(config)
+    model.set_attn_implementation("eager")  # attention as two bmm, which the counter counts exactly
+    batch = bench_model.batch_from_lengths(torch.tensor(lengths), config.vocab_size, torch.Generator().manual_seed(0), "cpu")
+    with FlopCounterMode(display=False) as counter:
+        model(**batch).loss.backward()
+    masked = int((batch["labels"] != -100).sum())
+    assert counter.get_total_flops() == bench_model.model_flops(config, lengths, masked)
+
+
+def test_gpu_check_cpu_runs_the_ddp_part_and_writes_its_results(tmp_path):
+    """`python benchmarks/gpu_check.py --device cpu --part ddp`: the environment section, and the 2-process gloo DDP
+    pre-training step, which ends with the same weights in both processes."""
+    code = gpu_check.main(["--device", "cpu", "--part", "ddp", "--out", str(tmp_path), "--no-install"])
+    text = (tmp_path / "gpu_check_cpu.md").read_text()
+    assert code == 0, text
+    assert "summary: ddp ok" in text and "## env" in text and "GPUs: 0" in text
+    assert "DDP 2 processes (gloo, CPU)" in text
+    assert "largest difference from rank 0: 0.0e+00" in text and "losses finite: True" in text
+
+
+def test_gpu_check_on_one_gpu_says_the_ddp_step_was_not_run(monkeypatch):
+    monkeypatch.setattr(gpu_check, "gpu_count", lambda: 1)
+    assert gpu_check.part_command("ddp", "cuda") == (
+        "not run: this machine has 1 GPU; the 2-process DDP step needs 2 or more")
+    monkeypatch.setattr(gpu_check, "gpu_count", lambda: 2)
+    assert "--nproc_per_node" in gpu_check.part_command("ddp", "cuda")
