@@ -26,6 +26,7 @@ from .modeling_bert_impl import (
 from .model_card import write_model_card
 from .patching import apply_bert_impl, revert_bert_impl
 from .peft_support import convert_stock_lora, register_peft_defaults
+from .quantization import quantize_for_inference
 from .serving import optimize_for_inference
 
 
@@ -60,4 +61,5 @@ __all__ = [
     "revert_bert_impl",
     "convert_stock_lora",
     "optimize_for_inference",
+    "quantize_for_inference",
 ]
