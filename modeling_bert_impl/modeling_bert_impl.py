@@ -43,6 +43,7 @@ from transformers.utils.generic import can_return_tuple
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers
 from .configuration_bert_impl import BertImplConfig
 from .input_checks import check_inputs, class_label_checks, position_label_checks
+from .packed_linear import linear
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -109,16 +110,16 @@ class BertImplAttention(nn.Module):
     def forward(self, x, attention_mask=None, varlen: UnpaddedLayout | None = None, output_attentions: bool = False):
         dropout = self.dropout if self.training else 0.0
         if varlen is not None:  # x: (P, H), the rows of an unpadded layout (bert_padding.py)
-            q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # each (P, N, D)
+            q, k, v = linear(self.qkv, x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # each (P, N, D)
             y, weights = varlen.attend(q, k, v, self.scaling, dropout), None  # (P, N, D)
         else:  # x: (B, T, H)
-            qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
+            qkv = linear(self.qkv, x).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, N, T, D)
             # Attention maps exist only on the eager path; asking for them selects it for this call.
             implementation = "eager" if output_attentions else self.config._attn_implementation
             attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
             y, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=dropout)  # (B, T, N, D)
-        return self.out(y.flatten(-2)), weights  # (..., H)
+        return linear(self.out, y.flatten(-2)), weights  # (..., H)
 
 
 class BertImplFeedForward(nn.Module):
@@ -128,8 +129,8 @@ class BertImplFeedForward(nn.Module):
         self.act = ACT2FN[config.hidden_act]
         self.down = nn.Linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x):
-        return self.down(self.act(self.up(x)))
+    def forward(self, x):  # linear(): in CPU inference through oneDNN, the GELU fused into `up` (packed_linear.py)
+        return linear(self.down, linear(self.up, x, self.act))
 
 
 class BertImplLayer(GradientCheckpointingLayer):

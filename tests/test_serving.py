@@ -1,21 +1,25 @@
-"""The serving switch (`optimize_for_inference`): outputs as transformers' BERT, its packed path really taken, and the
-layers still correct with autograd and after a weight update."""
+"""CPU inference's packed path (packed_linear.py), taken without opting in, and the `optimize_for_inference` switch:
+outputs as transformers' BERT, the packed path really taken, and never taken where it could change anything: with
+autograd, after a weight update (through the parameter, through `.data`, by `load_state_dict`), in copies, pickles and
+other dtypes, and nothing added to the state dict."""
+
+import copy
+import pickle
 
 import pytest
 import torch
 import transformers
 
 import modeling_bert_impl as bi
-from modeling_bert_impl.serving import PackedLinear, optimize_for_inference
+from modeling_bert_impl.packed_linear import _PACKED, PackedLinear, linear
+from modeling_bert_impl.serving import optimize_for_inference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
 @pytest.fixture(scope="module")
-def models(minilm_dir):
-    reference = transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="sdpa").eval()
-    served = optimize_for_inference(bi.BertImplModel.from_pretrained(minilm_dir))
-    return reference, served
+def reference(minilm_dir):
+    return transformers.BertModel.from_pretrained(minilm_dir, attn_implementation="sdpa").eval()
 
 
 def batch(lengths: list[int], seed: int = 0) -> dict:
@@ -28,35 +32,111 @@ def batch(lengths: list[int], seed: int = 0) -> dict:
     return dict(input_ids=ids, attention_mask=real.long(), token_type_ids=torch.zeros_like(ids))
 
 
-@pytest.mark.parametrize("lengths", [[16], [128], [5, 37, 12, 64, 1, 30]], ids=["1x16", "1x128", "mixed"])
-def test_serving_matches_transformers(models, lengths):
-    reference, served = models
-    inputs = batch(lengths)
-    with torch.inference_mode():
-        expected, got = reference(**inputs), served(**inputs)
+def packed(model, encoder_only: bool = True) -> list[bool]:
+    """For each linear layer of `model` (of its encoder layers): whether it has a packed copy of its weight."""
+    modules = model.layers.modules() if encoder_only else model.modules()
+    return [id(m.weight) in _PACKED for m in modules if isinstance(m, torch.nn.Linear)]
+
+
+def max_diff(a, b, inputs) -> float:
     real = inputs["attention_mask"].bool()
-    assert (got.last_hidden_state[real] - expected.last_hidden_state[real]).abs().max() < 1e-5
+    return (a.last_hidden_state[real] - b.last_hidden_state[real]).abs().max().item()
+
+
+@pytest.mark.parametrize("switch", [False, True], ids=["default", "optimize_for_inference"])
+@pytest.mark.parametrize("lengths", [[16], [128], [5, 37, 12, 64, 1, 30]], ids=["1x16", "1x128", "mixed"])
+def test_packed_path_matches_transformers(minilm_dir, reference, lengths, switch):
+    model = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    if switch:
+        optimize_for_inference(model)
+    assert type(model.layers[0].ffn.up) is type(model.pooler.dense) is (PackedLinear if switch else torch.nn.Linear)
+    inputs = batch(lengths)
+    assert not any(packed(model))
+    with torch.inference_mode():
+        expected, got = reference(**inputs), model(**inputs)
+    assert max_diff(got, expected, inputs) < 1e-5
     assert (got.pooler_output - expected.pooler_output).abs().max() < 1e-5
-    linears = [m for m in served.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(isinstance(m, PackedLinear) and m._packed is not None for m in linears)  # packed path ran
-    assert served.layers[0].ffn.up.activation == "gelu"  # and the GELU was fused
+    assert packed(model) and all(packed(model))  # the packed path ran, in every encoder layer
+    assert all(packed(model, encoder_only=False)) == switch  # and the pooler too with the switch
 
 
-def test_serving_layers_with_autograd_and_after_an_update(minilm_dir):
-    """With gradients the layers are plain nn.Linear (same loss and gradients as an unswitched model); a weight updated
-    in place is packed again."""
-    plain = bi.BertImplModel.from_pretrained(minilm_dir).eval()
-    served = optimize_for_inference(bi.BertImplModel.from_pretrained(minilm_dir))
-    inputs = batch([9, 4], seed=1)
-    losses = [m(**inputs).last_hidden_state.square().mean() for m in (plain, served)]
-    for loss in losses:
-        loss.backward()
-    assert torch.allclose(losses[0], losses[1], atol=1e-6)
-    assert (plain.layers[0].ffn.up.weight.grad - served.layers[0].ffn.up.weight.grad).abs().max() < 1e-6
-
+def test_fused_gelu_is_the_exact_gelu():
+    layer = torch.nn.Linear(8, 16)
+    x = torch.randn(3, 8)
+    act = transformers.activations.ACT2FN["gelu"]
     with torch.no_grad():
-        served(**inputs)  # packs
-        for m in (plain, served):
-            m.layers[2].ffn.up.weight.mul_(0.5)
-        expected, got = plain(**inputs).last_hidden_state, served(**inputs).last_hidden_state
-    assert (got - expected).abs().max() < 1e-5
+        fused = linear(layer, x, act)
+        assert id(layer.weight) in _PACKED
+        expected = torch.nn.functional.gelu(torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert (fused - expected).abs().max() < 1e-6
+
+
+def test_autograd_never_takes_the_packed_path(minilm_dir, reference):
+    """With gradients (training, or eval with grad) the layers are plain nn.Linear: the same loss as transformers', and
+    nothing packed."""
+    model = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    inputs = batch([9, 4], seed=1)
+    loss = model(**inputs).last_hidden_state[inputs["attention_mask"].bool()].square().mean()
+    loss.backward()
+    expected = reference(**inputs).last_hidden_state[inputs["attention_mask"].bool()].square().mean()
+    assert abs(loss.item() - expected.item()) < 1e-6
+    assert model.layers[0].ffn.up.weight.grad is not None and not any(packed(model))
+    model.train()
+    model(**inputs).last_hidden_state.sum().backward()
+    assert not any(packed(model))
+
+
+@pytest.mark.parametrize("update", ["parameter", "data", "load_state_dict"])
+def test_a_changed_weight_is_packed_again(minilm_dir, update):
+    """An optimizer-like in-place update, a `.data` update (PEFT's merge_adapter; the version counter does not move)
+    and load_state_dict, after the packed path ran: outputs as the plain path's on the new weights."""
+    model = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    inputs = batch([9, 4], seed=1)
+    with torch.no_grad():
+        before = model(**inputs).last_hidden_state  # packs
+        weight = model.layers[2].ffn.up.weight
+        delta = 0.01 * torch.randn(weight.shape[0], 2) @ torch.randn(2, weight.shape[1])  # a rank-2 (LoRA-like) delta
+        if update == "parameter":
+            weight.add_(delta)
+        elif update == "data":
+            weight.data += delta
+        else:
+            state = model.state_dict()
+            state["layers.2.ffn.up.weight"] = weight + delta
+            model.load_state_dict(state)
+        got = model(**inputs).last_hidden_state
+    expected = model(**inputs).last_hidden_state.detach()  # grad enabled: the plain path
+    assert (got - expected).abs().max() < 1e-5 < (got - before).abs().max()
+
+
+def test_state_dict_copies_pickles_and_dtypes(minilm_dir, reference):
+    model = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    keys = set(model.state_dict())
+    inputs = batch([7, 3], seed=2)
+    with torch.no_grad():
+        expected = model(**inputs)
+    assert set(model.state_dict()) == keys  # the packed copies are not state
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert not any(packed(clone))
+        with torch.no_grad():
+            assert max_diff(clone(**inputs), expected, inputs) == 0
+    double = copy.deepcopy(model).double()
+    assert not any(packed(double))
+    with torch.no_grad():
+        got = double(**inputs)
+        assert not any(packed(double))  # float64: the plain path
+        assert max_diff(got, reference.double()(**inputs), inputs) < 1e-10
+    reference.float()
+
+
+def test_observed_layers_take_the_plain_path(minilm_dir):
+    """A forward hook on a layer sees what it always saw (the product before the GELU): hooked layers are called."""
+    model = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    seen = []
+    up = model.layers[1].ffn.up
+    up.register_forward_hook(lambda module, args, out: seen.append((args[0], out)))
+    with torch.no_grad():
+        model(**batch([6], seed=3))
+    (x, out), = seen
+    assert (out - torch.nn.functional.linear(x, up.weight, up.bias)).abs().max() < 1e-5
+    assert id(up.weight) not in _PACKED and id(model.layers[1].ffn.down.weight) in _PACKED

@@ -1,0 +1,73 @@
+"""int8 inference (`quantize_for_inference`): embeddings within cosine 0.99 of float32's on real text, every head runs
+on the int8 encoder, and bad calibration is refused."""
+
+import copy
+import random
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+import modeling_bert_impl as bi
+from modeling_bert_impl.modeling_bert_impl import AUTO_CLASSES
+from modeling_bert_impl.quantization import Int8Linear, quantize_for_inference
+
+pytestmark = pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines,
+                                reason="torch built without oneDNN's quantized engine")
+
+
+@pytest.fixture(scope="module")
+def text(minilm_dir):
+    """Calibration and evaluation batches of real English (pydoc_data.topics, in every Python), 64 paragraphs each."""
+    import pydoc_data.topics
+
+    paragraphs = [re.sub(r"\s+", " ", p).strip() for t in pydoc_data.topics.topics.values() for p in t.split("\n\n")]
+    paragraphs = [p for p in paragraphs if len(p.split()) >= 4]
+    random.Random(0).shuffle(paragraphs)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    encode = lambda texts: [dict(tokenizer(texts[i:i + 32], padding=True, truncation=True, max_length=128,  # noqa
+                                           return_tensors="pt")) for i in range(0, len(texts), 32)]
+    return encode(paragraphs[64:128]), encode(paragraphs[:64])
+
+
+def test_int8_embeddings_within_cosine_099_of_float32(minilm_dir, text):
+    calibration, evaluation = text
+    fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    int8 = quantize_for_inference(copy.deepcopy(fp32), calibration)
+    assert sum(isinstance(m, Int8Linear) for m in int8.modules()) == 4 * fp32.config.num_hidden_layers
+    cosines = []
+    with torch.inference_mode():
+        for batch in evaluation:
+            real = batch["attention_mask"].bool()
+            expected, got = fp32(**batch).last_hidden_state[real], int8(**batch).last_hidden_state[real]
+            cosines.append(F.cosine_similarity(got, expected, dim=-1))
+    cosines = torch.cat(cosines)
+    assert cosines.min() >= 0.99, cosines.min()  # per token, on real text (0.993 measured)
+    assert cosines.mean() >= 0.997, cosines.mean()
+
+
+@pytest.mark.parametrize("head", sorted({cls.__name__ for cls in AUTO_CLASSES.values()} - {"BertImplModel"}))
+def test_every_head_runs_int8(minilm_dir, text, head):
+    calibration, evaluation = text
+    torch.manual_seed(0)
+    fp32 = getattr(bi, head).from_pretrained(minilm_dir).eval()
+    choices = (lambda b: {k: v.unsqueeze(1).expand(-1, 2, -1) for k, v in b.items()}) if head.endswith("Choice") else (
+        lambda b: b)  # multiple choice: (B, C, T), two choices
+    int8 = quantize_for_inference(copy.deepcopy(fp32), [choices(calibration[0])])
+    batch = {k: v[:4, :24] for k, v in evaluation[0].items()}
+    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])  # no padding: heads mask it with -inf or 0
+    batch = choices(batch)
+    with torch.inference_mode():
+        expected, got = fp32(**batch)[0], int8(**batch)[0]
+    assert got.shape == expected.shape and torch.isfinite(got).all()
+    assert (got - expected).abs().max() < 0.1 * expected.abs().max() + 0.05
+
+
+def test_bad_calibration_is_refused(minilm_dir):
+    model = bi.BertImplModel.from_pretrained(minilm_dir)
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_for_inference(model, [])
+    with pytest.raises(ValueError, match="CPU in float32"):
+        quantize_for_inference(bi.BertImplModel.from_pretrained(minilm_dir).double(), [])
