@@ -338,7 +338,17 @@ class BertImplPreTrainedModel(PreTrainedModel):
         import json
         import os
 
-        self.save_pretrained(save_directory, save_original_format=True, **kwargs)
+        # transformers reverses the conversions that loaded this model (`_weight_conversions`, none when it was loaded
+        # from a folder of ours, already in our names); our parameters always take the whole map back to stock names.
+        loaded_with = self.__dict__.get("_weight_conversions")
+        self._weight_conversions = checkpoint_conversion()
+        try:
+            self.save_pretrained(save_directory, save_original_format=True, **kwargs)
+        finally:
+            if loaded_with is None:
+                del self._weight_conversions
+            else:
+                self._weight_conversions = loaded_with
         for name in os.listdir(save_directory):
             if name.endswith(".py"):
                 os.remove(os.path.join(save_directory, name))

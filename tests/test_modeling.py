@@ -205,13 +205,15 @@ def test_our_checkpoint_round_trips_and_exports_to_stock(tmp_path, stock_name, o
     back = getattr(transformers, auto_name).from_pretrained(tmp_path / "ours").eval()
     assert type(back).__name__ == our_name
 
-    ours.save_stock_pretrained(tmp_path / "stock")
-    stock_config = json.loads((tmp_path / "stock" / "config.json").read_text())
-    assert stock_config["model_type"] == "bert" and "auto_map" not in stock_config
-    stock = getattr(transformers, stock_name).from_pretrained(tmp_path / "stock").eval()
-    assert type(stock).__name__ == stock_name
+    stocks = []  # written by the model built here and by the one loaded from our folder (no conversion at its load)
+    for source, folder in ((ours, tmp_path / "stock"), (back, tmp_path / "stock-from-ours")):
+        source.save_stock_pretrained(folder)
+        stock_config = json.loads((folder / "config.json").read_text())
+        assert stock_config["model_type"] == "bert" and "auto_map" not in stock_config
+        stocks.append(getattr(transformers, stock_name).from_pretrained(folder).eval())
+        assert type(stocks[-1]).__name__ == stock_name
     with torch.no_grad():
-        for reloaded in (back, stock):
+        for reloaded in (back, *stocks):
             after = output_tensors(reloaded(**inputs))
             for name, b in before.items():
                 mask = inputs["attention_mask"]
