@@ -464,22 +464,24 @@ class BertImplModel(BertImplPreTrainedModel):
             implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
             padding = None if batch.nnz is None else batch.nnz < B * T  # None: traced, the host cannot say
             mask = self._padded_attention_mask(x, attention_mask, packed_cu_seqlens, implementation, padding)
-            # Zeros at padding, as the unpadded path re-pads, in the stream itself: the hidden states returned are
-            # the ones the next layer reads (retain_grad on them works). No real token reads a padding position.
+            # Zeros at padding, as the unpadded path re-pads. No real token reads a padding position, so they are
+            # cleared once at the end; where every layer's hidden states are returned, in the stream itself after each
+            # layer (they must be the tensors the next layer reads: retain_grad on them works).
             repad, clear = identity, zero_padding(attention_mask if padding is not False and not batch.packed else None)
+        per_layer = clear if output_hidden_states else identity
 
-        x = clear(x)
+        x = per_layer(x)
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
         for layer in self.layers:
             x, weights = layer(x, mask, layout, output_attentions)
-            x = clear(x)
+            x = per_layer(x)
             if output_hidden_states:
                 all_hidden.append(repad(x))
             if output_attentions:
                 all_attentions.append(weights)
 
-        last = repad(x)  # (B, T, H)
+        last = repad(x if output_hidden_states else clear(x))  # (B, T, H)
         pooled = None
         if self.pooler is not None:  # [CLS] is the first real token of each sequence (a row of padding only: zeros)
             if batch.packed:
