@@ -182,7 +182,6 @@ def is_integer(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Labels: each head builds its checks with these and passes them to the encoder (`label_checks`)
 # ---------------------------------------------------------------------------------------------------------------------

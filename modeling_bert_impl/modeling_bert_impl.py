@@ -42,7 +42,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers
 from .configuration_bert_impl import BertImplConfig
-from .input_checks import check_inputs, class_label_checks, position_label_checks
+from .input_checks import IGNORE_INDEX, check_inputs, class_label_checks, position_label_checks
 from .packed_linear import linear
 
 
@@ -196,7 +196,7 @@ class BertImplMLMHead(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------------
 # Losses: one helper for every head
 # ---------------------------------------------------------------------------------------------------------------------
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Mean cross-entropy of (..., C) logits against (...) labels over the labels that are not `ignore_index`;
     computed in float32.
 
@@ -219,7 +219,7 @@ def masked_lm(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None
         return head(hidden), None
     labels = labels.to(hidden.device)
     if sparse:
-        masked = labels != -100  # (B, T)
+        masked = labels != IGNORE_INDEX  # (B, T)
         hidden, labels = hidden[masked], labels[masked]  # (M, H), (M,)
     logits = head(hidden)  # (B, T, V) or (M, V)
     return logits, cross_entropy(logits, labels)
