@@ -78,7 +78,9 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
         facts += [starts.sum(), (torch.arange(T, device=starts.device) - start_of).max() + 1]
     read = [c.value for c in checks] + facts
     device = read[0].device if read else None
-    stacked = torch.stack([t.double().to(device) for t in read]).tolist() if read else []  # the one transfer
+    # the one transfer: float64 holds every value exactly (int64 ones up to 2^53); stack promotes int64 to it
+    read = [t if t.dtype in (torch.int64, torch.float64) else t.double() for t in read]
+    stacked = torch.stack([t.to(device) for t in read]).double().tolist() if read else []
     values, facts = stacked[:len(checks)], [int(f) for f in stacked[len(checks):]]
     for value, check in zip(values, checks):
         if not check.low <= value <= check.high:  # NaN fails too
@@ -153,10 +155,14 @@ def _value_checks(config, input_ids, attention_mask, token_type_ids, position_id
     if position_ids is not None:
         checks += _min_max(position_ids, 0, positions - 1,
                            f"position id {{}} is outside the position table [0, {positions})")
-    if attention_mask is not None:  # the first value that is neither 0 nor 1, else 0
-        bad = ((attention_mask != 0) & (attention_mask != 1)).flatten()
-        value = torch.where(bad, attention_mask.flatten(), 0).gather(0, bad.int().argmax()[None])[0]
-        checks.append(ValueCheck(value, 0, 0, "attention_mask holds {}; expected 0 (padding) or 1 (token)"))
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        message = "attention_mask holds {}; expected 0 (padding) or 1 (token)"
+        if is_integer(attention_mask):  # 0 and 1 only: the smallest and largest in [0, 1]
+            checks += _min_max(attention_mask, 0, 1, message)
+        else:  # the first value that is neither 0 nor 1, else 0
+            bad = ((attention_mask != 0) & (attention_mask != 1)).flatten()
+            value = torch.where(bad, attention_mask.flatten(), 0).gather(0, bad.int().argmax()[None])[0]
+            checks.append(ValueCheck(value, 0, 0, message))
     if cu_seq_lens_q is not None:
         cu = cu_seq_lens_q
         checks += [ValueCheck(cu[0], 0, 0, "cu_seq_lens_q starts at {}; expected 0 (cumulative sequence lengths)"),
@@ -175,7 +181,8 @@ def _value_checks(config, input_ids, attention_mask, token_type_ids, position_id
 
 def _min_max(t: torch.Tensor, low: float, high: float, message: str) -> list[ValueCheck]:
     """Every value of t in [low, high]: its smallest and its largest."""
-    return [ValueCheck(t.min(), low, high, message), ValueCheck(t.max(), low, high, message)]
+    smallest, largest = torch.aminmax(t)
+    return [ValueCheck(smallest, low, high, message), ValueCheck(largest, low, high, message)]
 
 
 def is_integer(t: torch.Tensor) -> bool:

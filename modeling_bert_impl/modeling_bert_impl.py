@@ -43,7 +43,8 @@ from transformers.utils.generic import can_return_tuple
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers
 from .configuration_bert_impl import BertImplConfig
 from .input_checks import IGNORE_INDEX, check_inputs, class_label_checks, position_label_checks
-from .packed_linear import linear
+from .fused_layers import fused_layer, fused_weights
+from .packed_linear import linear, unobserved
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -149,6 +150,20 @@ class BertImplLayer(GradientCheckpointingLayer):
         x = self.attn_norm(x + self.dropout(a))
         x = self.ffn_norm(x + self.dropout(self.ffn(x)))
         return x, weights
+
+    def fused_linears(self) -> tuple | None:
+        """(qkv, out, up, down) where `fused_layer` computes what calling this layer does (fused_layers.py): eval mode,
+        and its modules ours and unobserved (no hooks, no patched forward), the linear layers aside (`linear()` calls
+        those when they are observed or replaced: PEFT, int8); else None."""
+        modules = self._modules  # read directly: this runs on every CPU inference call
+        attn, ffn = modules["attn"], modules["ffn"]
+        parts = (self, attn, ffn, modules["attn_norm"], modules["ffn_norm"], modules["dropout"])
+        if tuple(map(type, parts)) != FUSABLE_PARTS or any(m.training or not unobserved(m) for m in parts):
+            return None
+        return attn.qkv, attn.out, ffn.up, ffn.down
+
+
+FUSABLE_PARTS = (BertImplLayer, BertImplAttention, BertImplFeedForward, nn.LayerNorm, nn.LayerNorm, nn.Dropout)
 
 
 class BertImplEmbeddings(nn.Module):
@@ -473,8 +488,12 @@ class BertImplModel(BertImplPreTrainedModel):
         x = per_layer(x)
         all_hidden = [repad(x)] if output_hidden_states else None
         all_attentions = [] if output_attentions else None
-        for layer in self.layers:
-            x, weights = layer(x, mask, layout, output_attentions)
+        # CPU inference without padding to mask: each layer in one pass (fused_layers.py), the same arithmetic
+        fused = (fused_weights(x, self.layers, self.config._attn_implementation)
+                 if mask is None and not output_attentions else None)
+        for i, layer in enumerate(self.layers):
+            x, weights = (fused_layer(layer, x, fused[i], layout), None) if fused else layer(x, mask, layout,
+                                                                                              output_attentions)
             x = per_layer(x)
             if output_hidden_states:
                 all_hidden.append(repad(x))
@@ -486,9 +505,10 @@ class BertImplModel(BertImplPreTrainedModel):
         if self.pooler is not None:  # [CLS] is the first real token of each sequence (a row of padding only: zeros)
             if batch.packed:
                 pooled = self.pooler(last[0, packed_cu_seqlens[:-1].long()])  # (S, H)
+            elif attention_mask is None or batch.nnz == B * T:  # no padding: the first token
+                pooled = self.pooler(last[:, 0])  # (B, H)
             else:
-                first = ((attention_mask != 0).int().argmax(-1) if attention_mask is not None
-                         else torch.zeros(B, dtype=torch.long, device=device))  # (B,)
+                first = (attention_mask != 0).int().argmax(-1)  # (B,)
                 pooled = self.pooler(last[torch.arange(B, device=device), first])  # (B, H)
 
         out = BaseModelOutputWithPooling(

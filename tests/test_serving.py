@@ -1,18 +1,25 @@
-"""CPU inference's packed path (packed_linear.py), taken without opting in, and the `optimize_for_inference` switch:
-outputs as transformers' BERT, the packed path really taken, and never taken where it could change anything: with
-autograd, after a weight update (through the parameter, through `.data`, by `load_state_dict`), in copies, pickles and
-other dtypes, and nothing added to the state dict."""
+"""CPU inference's packed path (packed_linear.py) and fused layers (fused_layers.py), taken without opting in, and the
+`optimize_for_inference` switch: outputs as transformers' BERT and as the layers called as modules, for every head and
+layout, the fast paths really taken, and never taken where they could change anything: with autograd, in training
+mode, with hooks, after a weight update (through the parameter, through `.data`, by `load_state_dict`), in copies,
+pickles and other dtypes, and nothing added to the state dict."""
 
 import copy
 import pickle
+import sys
+from pathlib import Path
 
+import peft
 import pytest
 import torch
 import transformers
 
 import modeling_bert_impl as bi
+import modeling_bert_impl.modeling_bert_impl as modeling
 from modeling_bert_impl.packed_linear import _PACKED, PackedLinear, linear
 from modeling_bert_impl.serving import optimize_for_inference
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_modeling import HEADS, SMALL, make_inputs, output_tensors  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -86,12 +93,13 @@ def test_autograd_never_takes_the_packed_path(minilm_dir, reference):
     assert not any(packed(model))
 
 
+@pytest.mark.parametrize("lengths", [[9, 4], [9]], ids=["padded", "1x9"])
 @pytest.mark.parametrize("update", ["parameter", "data", "load_state_dict"])
-def test_a_changed_weight_is_packed_again(minilm_dir, update):
+def test_a_changed_weight_is_packed_again(minilm_dir, update, lengths):
     """An optimizer-like in-place update, a `.data` update (PEFT's merge_adapter; the version counter does not move)
     and load_state_dict, after the packed path ran: outputs as the plain path's on the new weights."""
     model = bi.BertImplModel.from_pretrained(minilm_dir).eval()
-    inputs = batch([9, 4], seed=1)
+    inputs = batch(lengths, seed=1)
     with torch.no_grad():
         before = model(**inputs).last_hidden_state  # packs
         weight = model.layers[2].ffn.up.weight
@@ -140,3 +148,85 @@ def test_observed_layers_take_the_plain_path(minilm_dir):
     (x, out), = seen
     assert (out - torch.nn.functional.linear(x, up.weight, up.bias)).abs().max() < 1e-5
     assert id(up.weight) not in _PACKED and id(model.layers[1].ffn.down.weight) in _PACKED
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fused layers (fused_layers.py)
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many layers ran through `fused_layer` (counted as the model calls it)."""
+    calls = []
+    real = modeling.fused_layer
+    monkeypatch.setattr(modeling, "fused_layer", lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+def no_op_hook(module, args):
+    return None
+
+
+LAYOUTS = {"1x9": (1, [9]), "dense 3x9": (3, [9, 9, 9]), "padded": (3, [9, 6, 4])}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("stock_name,our_name,auto_name", HEADS, ids=[h[1] for h in HEADS])
+def test_fused_layers_equal_the_layers_for_every_head(fused_calls, stock_name, our_name, auto_name, layout):
+    """Every output tensor, every layer's hidden state included, as the layers called as modules give it (a no-op hook
+    on one layer's dropout makes the model call them), on one sequence, a dense batch and a padded one (the unpadded
+    layout)."""
+    torch.manual_seed(0)
+    config = bi.BertImplConfig(**{**SMALL, "num_labels": 2 if "Question" in our_name else 3})
+    model = getattr(bi, our_name)(config).eval()
+    inputs, _ = make_inputs(stock_name, config, torch.Generator().manual_seed(1))
+    B, lengths = LAYOUTS[layout]
+    T = inputs["input_ids"].shape[-1]
+    inputs = {k: v[:B].clone() for k, v in inputs.items()}
+    inputs["attention_mask"][..., :] = (torch.arange(T) < torch.tensor(lengths)[:, None]).long().view(
+        (B,) + (1,) * (inputs["attention_mask"].dim() - 2) + (T,))
+    with torch.inference_mode():
+        fused = model(**inputs, output_hidden_states=True)
+        assert len(fused_calls) == config.num_hidden_layers
+        base = getattr(model, model.base_model_prefix, model)
+        hook = base.layers[0].dropout.register_forward_pre_hook(no_op_hook)
+        layers = model(**inputs, output_hidden_states=True)
+        hook.remove()
+    assert len(fused_calls) == config.num_hidden_layers  # the second call did not fuse
+    expected = {**output_tensors(layers), **{f"hidden_states[{i}]": h for i, h in enumerate(layers.hidden_states)}}
+    got = {**output_tensors(fused), **{f"hidden_states[{i}]": h for i, h in enumerate(fused.hidden_states)}}
+    assert got.keys() == expected.keys()
+    for name, e in expected.items():
+        assert got[name].shape == e.shape, name
+        assert (got[name] - e).abs().max().item() < 1e-5, name
+
+
+def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir):
+    """Not fused: with autograd, in training mode, asking for attention maps, with a hook on a layer's module (the
+    hook runs), with flex attention; fused again when the hook is gone. Replaced linear layers (PEFT) stay fused,
+    called as the modules they are."""
+    model = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    inputs = batch([9], seed=4)
+    seen = []
+    with torch.no_grad():
+        expected = model(**inputs).last_hidden_state
+    assert len(fused_calls) == 6
+    model(**inputs)  # autograd
+    model.train()
+    with torch.no_grad():
+        model(**inputs)
+    model.eval()
+    with torch.no_grad():
+        model(**inputs, output_attentions=True)
+        hook = model.layers[3].attn_norm.register_forward_hook(lambda m, a, out: seen.append(out))
+        hooked = model(**inputs).last_hidden_state
+        hook.remove()
+        model.set_attn_implementation("flex_attention")
+        model(**inputs)
+        model.set_attn_implementation("sdpa")
+    assert len(fused_calls) == 6 and len(seen) == 1 and (hooked - expected).abs().max() < 1e-5
+    lora = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    peft_model = peft.get_peft_model(lora, peft.LoraConfig(target_modules=["qkv", "up"], init_lora_weights=False))
+    with torch.no_grad():
+        unfused = peft_model(**inputs, output_attentions=True).last_hidden_state  # the module path
+        got = peft_model(**inputs).last_hidden_state
+    assert len(fused_calls) == 12 and (got - unfused).abs().max() < 1e-5 < (got - expected).abs().max()

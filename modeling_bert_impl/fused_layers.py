@@ -1,0 +1,80 @@
+"""The encoder's layers in one pass for CPU inference: what ONNX Runtime's fused Attention, SkipLayerNorm and BiasGelu
+kernels do for it, in eager PyTorch.
+
+A single short query leaves the products little to do (at batch 1 x 16 tokens, all-MiniLM-L6-v2's 24 products take
+2.9 ms back to back), and a layer called as modules spends about as long again around them: a dozen module calls,
+dropout, transformers' attention wrapper, reshapes, a check per product that its packed weight is current, and between
+products gaps long enough for oneDNN's worker threads to fall asleep (the same product took 144 us inside the model and
+120 us back to back). `fused_layer` is a layer's arithmetic with none of that: no module calls but replaced linear
+layers', the residual sums inside the products (oneDNN's binary post-op), the GELU inside the first feed-forward
+product, attention as two batched products around a softmax, and the packed weights of all layers checked at once
+(`packed_weights`). BertImplModel runs its layers through it where that cannot change anything (`fused_weights`);
+outputs equal the layers' own to float32 rounding (tests/test_serving.py)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .packed_linear import (
+    PackedLinear,
+    cpu_inference,
+    global_hooks,
+    linear,
+    packable_weight,
+    packed_product,
+    packed_weights,
+    unobserved,
+)
+
+
+def fused_weights(x: torch.Tensor, layers, attn_implementation: str) -> list[list] | None:
+    """None where `fused_layer` may not run `layers` (BertImplLayer modules) on x; else, for each layer, the packed
+    weights of its qkv, out, up and down products (None for one that `linear()` must call: observed, replaced).
+
+    It may where x is CPU float32 inference, not traced, the attention implementation's arithmetic is `fused_layer`'s
+    (sdpa and eager: softmax(q k^T) v), and every layer's `fused_linears` are there (eval mode, nothing observed or replaced but
+    linear layers)."""
+    if attn_implementation not in ("sdpa", "eager") or not cpu_inference(x) or global_hooks():
+        return None
+    linears = []
+    for layer in layers:
+        linears += layer.fused_linears() or ()
+    if len(linears) != 4 * len(layers):
+        return None
+    packable = [type(m) in (nn.Linear, PackedLinear) and unobserved(m) and packable_weight(m.weight) for m in linears]
+    packed = iter(packed_weights([m.weight for m, p in zip(linears, packable) if p]))
+    flat = [next(packed) if p else None for p in packable]
+    return [flat[i:i + 4] for i in range(0, len(flat), 4)]
+
+
+def fused_layer(layer, x: torch.Tensor, packed: list, layout=None) -> torch.Tensor:
+    """`layer(x, None, layout)[0]` in inference: x (B, T, H) with no padding, or (P, H) on an unpadded `layout`;
+    `packed` from `fused_weights`."""
+    attn, ffn = layer.attn, layer.ffn
+    qkv = product(attn.qkv, x, packed[0])  # (..., 3H)
+    if layout is None:
+        y = dense_attention(qkv, attn.num_heads, attn.scaling)  # (B, T, H)
+    else:
+        q, k, v = qkv.unflatten(-1, (3, attn.num_heads, attn.head_dim)).unbind(1)  # each (P, N, D)
+        y = layout.attend(q, k, v, attn.scaling, 0.0).flatten(-2)  # (P, H)
+    x = norm(layer.attn_norm, product(attn.out, y, packed[1], residual=x))
+    h = product(ffn.up, x, packed[2], ffn.act)
+    return norm(layer.ffn_norm, product(ffn.down, h, packed[3], residual=x))
+
+
+def product(layer, x, packed, activation=None, residual=None):
+    """`linear(layer, x, activation, residual)`, with the packed weight given (None: through `linear()`)."""
+    if packed is None:
+        return linear(layer, x, activation, residual)
+    return packed_product(x, packed, layer.bias, activation, residual)
+
+
+def dense_attention(qkv: torch.Tensor, num_heads: int, scaling: float) -> torch.Tensor:
+    """softmax(q k^T * scaling) v per sequence and head, no mask: qkv (B, T, 3H) -> (B, T, H)."""
+    B, T, H3 = qkv.shape
+    q, k, v = qkv.view(B, T, 3, num_heads, H3 // (3 * num_heads)).permute(2, 0, 3, 1, 4)  # each (B, N, T, D)
+    return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2).reshape(B, T, H3 // 3)
+
+
+def norm(layer_norm, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, layer_norm.normalized_shape, layer_norm.weight, layer_norm.bias, layer_norm.eps)
