@@ -18,8 +18,8 @@ A copy is made on the first such call and made again after the weight changes (a
 `.to()`, PEFT's `merge_adapter`: `packed_weight`); it costs one more copy of the weight (for the encoder of BERT-base,
 85M floats: 340 MB; all-MiniLM-L6-v2: 10.6M floats, 42 MB).
 
-`activation` is applied to the output; the exact (erf) GELU runs inside the same oneDNN call on the packed path (the
-feed-forward block's first product asks for it).
+`activation` is applied to the output and `residual` added to it; on the packed path the exact (erf) GELU (the
+feed-forward block's first product asks for it) and the residual sum run inside the same oneDNN call.
 """
 
 import weakref
