@@ -32,8 +32,8 @@ def fused_weights(x: torch.Tensor, layers, attn_implementation: str) -> list[lis
     weights of its qkv, out, up and down products (None for one that `linear()` must call: observed, replaced).
 
     It may where x is CPU float32 inference, not traced, the attention implementation's arithmetic is `fused_layer`'s
-    (sdpa and eager: softmax(q k^T) v), and every layer's `fused_linears` are there (eval mode, nothing observed or replaced but
-    linear layers)."""
+    (sdpa and eager: softmax(q k^T) v), no global hooks, and every layer gives its `fused_linears` (eval mode,
+    nothing observed or replaced but linear layers)."""
     if attn_implementation not in ("sdpa", "eager") or not cpu_inference(x) or global_hooks():
         return None
     linears = []
