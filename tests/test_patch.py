@@ -45,8 +45,20 @@ def max_diff(a, b) -> float:
     return (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
 
 
-def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(minilm_dir, classifier_dir):
+def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(minilm_dir, classifier_dir,
+                                                                              monkeypatch):
     from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    import modeling_bert_impl.modeling_bert_impl as modeling
+
+    fused = []  # the layers run through the fused CPU inference path (fused_layers.py), with no opting in
+    real_fused_layer = modeling.fused_layer
+
+    def fused_layer(layer, *args):
+        fused.append(layer)
+        return real_fused_layer(layer, *args)
+
+    monkeypatch.setattr(modeling, "fused_layer", fused_layer)
 
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
@@ -75,6 +87,7 @@ def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(
 
     for model in our_models:
         assert isinstance(model, bi.BertImplPreTrainedModel), type(model)
+        assert any(layer is model.base_model.layers[0] for layer in fused), type(model)
         assert type(model.config) is BertConfig and model.config.model_type == "bert"
     for model in stock_models:
         assert type(model).__module__.startswith("transformers.models.bert."), type(model)
