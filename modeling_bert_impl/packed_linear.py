@@ -51,12 +51,14 @@ def packable_weight(weight: torch.Tensor) -> bool:
 
 
 def cpu_inference(x: torch.Tensor) -> bool:
-    """x is float32 on CPU, no gradient is wanted, no autocast, not traced (`torch.compile` / `torch.export`)."""
+    """x is float32 on CPU, no gradient is wanted, no autocast, not traced (`torch.compile` / `torch.export`, and
+    TorchScript's tracer, as `torch.onnx.export(dynamo=False)` runs it: its graph would hold oneDNN's own ops)."""
     return (
         not torch.is_grad_enabled()
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
         and not torch.is_autocast_enabled("cpu")
     )
 

@@ -321,3 +321,30 @@ def test_export_command_on_minilm(minilm_dir, tmp_path):
     # A second run into the same folder is refused unless told
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode != 0 and "--overwrite" in again.stderr
+
+
+def test_torchscript_exporter_under_no_grad_gives_plain_operators(tmp_path):
+    """`torch.onnx.export(dynamo=False)` (TorchScript's tracer, as optimum's exporters run it) under `torch.no_grad()`:
+    CPU inference's packed and fused paths stay out of the traced graph (oneDNN's own ops have no ONNX form), and the
+    graph gives the model's outputs in onnxruntime."""
+    torch.manual_seed(0)
+    model = bi.BertImplModel(BertImplConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=37)).eval()
+    ids = torch.randint(1, 99, (1, 9))
+
+    class LastHiddenState(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids).last_hidden_state
+
+    path = str(tmp_path / "model.onnx")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings on the host reads of the input checks
+        expected = model(input_ids=ids).last_hidden_state  # the fused path, eagerly
+        torch.onnx.export(LastHiddenState().eval(), (ids,), path, dynamo=False, opset_version=17,
+                          input_names=["input_ids"])
+    got = ort.InferenceSession(path).run(None, {"input_ids": ids.numpy()})[0]
+    assert np.abs(got - expected.numpy()).max() < 1e-5
