@@ -13,18 +13,8 @@ cannot change anything (`fused_weights`); outputs equal the layers' own to float
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from .packed_linear import (
-    PackedLinear,
-    cpu_inference,
-    global_hooks,
-    linear,
-    packable_weight,
-    packed_product,
-    packed_weights,
-    unobserved,
-)
+from .packed_linear import cpu_inference, global_hooks, linear, packable_weight, packed_product, packed_weights, plain
 
 
 def fused_weights(x: torch.Tensor, layers, attn_implementation: str) -> list[list] | None:
@@ -38,10 +28,11 @@ def fused_weights(x: torch.Tensor, layers, attn_implementation: str) -> list[lis
         return None
     linears = []
     for layer in layers:
-        linears += layer.fused_linears() or ()
-    if len(linears) != 4 * len(layers):
-        return None
-    packable = [type(m) in (nn.Linear, PackedLinear) and unobserved(m) and packable_weight(m.weight) for m in linears]
+        four = layer.fused_linears()
+        if four is None:
+            return None
+        linears += four
+    packable = [plain(m) and packable_weight(m.weight) for m in linears]
     packed = iter(packed_weights([m.weight for m, p in zip(linears, packable) if p]))
     flat = [next(packed) if p else None for p in packable]
     return [flat[i:i + 4] for i in range(0, len(flat), 4)]
@@ -57,9 +48,10 @@ def fused_layer(layer, x: torch.Tensor, packed: list, layout=None) -> torch.Tens
     else:
         q, k, v = qkv.unflatten(-1, (3, attn.num_heads, attn.head_dim)).unbind(1)  # each (P, N, D)
         y = layout.attend(q, k, v, attn.scaling, 0.0).flatten(-2)  # (P, H)
-    x = norm(layer.attn_norm, product(attn.out, y, packed[1], residual=x))
+    # the norms' own forward, without the module call (`fused_linears` saw no hooks on them)
+    x = layer.attn_norm.forward(product(attn.out, y, packed[1], residual=x))
     h = product(ffn.up, x, packed[2], ffn.act)
-    return norm(layer.ffn_norm, product(ffn.down, h, packed[3], residual=x))
+    return layer.ffn_norm.forward(product(ffn.down, h, packed[3], residual=x))
 
 
 def product(layer, x, packed, activation=None, residual=None):
@@ -75,6 +67,3 @@ def dense_attention(qkv: torch.Tensor, num_heads: int, scaling: float) -> torch.
     q, k, v = qkv.view(B, T, 3, num_heads, H3 // (3 * num_heads)).permute(2, 0, 3, 1, 4)  # each (B, N, T, D)
     return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2).reshape(B, T, H3 // 3)
 
-
-def norm(layer_norm, x: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, layer_norm.normalized_shape, layer_norm.weight, layer_norm.bias, layer_norm.eps)

@@ -105,10 +105,10 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     as PEFT's `merge_adapter` does) moves neither, so 256 entries spread over the matrix (`probe`, a view of the
     weight, kept) are compared with their packed-time values as well."""
     entry = _PACKED.get(id(weight))
-    if entry is not None and entry.weight() is weight and entry.key == (weight.data_ptr(), weight._version):
-        if torch.equal(entry.probe, entry.probed):
-            return entry.packed
-    elif entry is None or entry.weight() is not weight:
+    ours = entry is not None and entry.weight() is weight
+    if ours and entry.key == (weight.data_ptr(), weight._version) and torch.equal(entry.probe, entry.probed):
+        return entry.packed
+    if not ours:  # the first packing of this weight: its entry goes with it
         weakref.finalize(weight, _PACKED.pop, id(weight), None)
     w = weight.detach()
     view = probe(w)

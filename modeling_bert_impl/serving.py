@@ -6,16 +6,14 @@ decoder, a vocabulary-sized product, gains most), at the memory of one more copy
 parameters, same outputs to fp32 rounding, nothing compiled.
 """
 
-import torch
 from torch import nn
 
-from .packed_linear import ONEDNN, PackedLinear
+from .packed_linear import PackedLinear, packable_weight
 
 
 def packable(module: nn.Module) -> bool:
-    """A plain nn.Linear with float32 weights on CPU, and a torch built with oneDNN."""
-    weight = module.weight if type(module) is nn.Linear else None
-    return ONEDNN and weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+    """A plain nn.Linear with a float32 weight on CPU that the packed path takes (`packable_weight`)."""
+    return type(module) is nn.Linear and module.weight.device.type == "cpu" and packable_weight(module.weight)
 
 
 def optimize_for_inference(model: nn.Module) -> nn.Module:
