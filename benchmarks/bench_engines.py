@@ -10,6 +10,9 @@ package is not installed; `pip install bert-impl[bench]` installs them all):
 - bert-impl: `BertImplModel.from_pretrained`, as a user gets it (the default path: CPU inference takes the packed
   linear layers of modeling_bert_impl/packed_linear.py with no opting in);
 - bert-impl serving: the same after `optimize_for_inference(model)` (modeling_bert_impl/serving.py);
+- bert-impl compiled: after `compile_for_inference(model, path)` (modeling_bert_impl/compiled_encoder.py): the
+  no-padding forward compiled ahead of time by AOTInductor (batch 1 and the dense batch run it; padded batches take
+  the default path); its compile time is printed with the others' set-up;
 - bert-impl int8: after `quantize_for_inference(model, calibration)` (modeling_bert_impl/quantization.py), calibrated on
   256 paragraphs of real text (`pydoc_data.topics`, as bench_encode.py), not those its accuracy is measured on;
 - ORT: ONNX Runtime on an ONNX export of the stock `BertModel`, fused by ORT's transformer optimizer
@@ -70,13 +73,14 @@ from bench_encode import corpus  # noqa: E402
 from modeling_bert_impl import (  # noqa: E402
     BertImplForSequenceClassification,
     BertImplModel,
+    compile_for_inference,
     optimize_for_inference,
     quantize_for_inference,
 )
 
 CLS, SEP = 101, 102
 THREADS = 2
-ENGINES = ["transformers", "bert-impl", "bert-impl serving", "bert-impl int8", "ORT", "ORT int8", "CTranslate2",
+ENGINES = ["transformers", "bert-impl", "bert-impl serving", "bert-impl compiled", "bert-impl int8", "ORT", "ORT int8", "CTranslate2",
            "OpenVINO", "transformers + compile", "bert-impl + compile"]
 ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
 
@@ -268,6 +272,8 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
         "transformers": lambda: torch_engine(ref),
         "bert-impl": lambda: torch_engine(ours),
         "bert-impl serving": lambda: torch_engine(serving),
+        "bert-impl compiled": lambda: torch_engine(compile_for_inference(
+            BertImplModel.from_pretrained(model_dir), os.path.join(workdir, "bert_impl.pt2"))),
         "bert-impl int8": lambda: torch_engine(quantize_for_inference(
             BertImplModel.from_pretrained(model_dir), text_batches(model_dir, calibration_texts()))),
         "ORT": lambda: optional("ORT", "onnxruntime", lambda: ort_engine(model_dir, workdir)),

@@ -32,6 +32,7 @@ from .peft_support import (
     convert_stock_adapter,
     register_peft_defaults,
 )
+from .compiled_encoder import compile_for_inference
 from .quantization import quantize_for_inference
 from .serving import optimize_for_inference
 
@@ -70,4 +71,5 @@ __all__ = [
     "convert_adapter_to_stock",
     "optimize_for_inference",
     "quantize_for_inference",
+    "compile_for_inference",
 ]

@@ -397,6 +397,7 @@ class BertImplModel(BertImplPreTrainedModel):
         self.embeddings = BertImplEmbeddings(config)
         self.layers = nn.ModuleList(BertImplLayer(config, i) for i in range(config.num_hidden_layers))
         self.pooler = BertImplPooler(config) if add_pooling_layer else None
+        self.compiled_encoder = None  # this model compiled ahead of time: compile_for_inference (compiled_encoder.py)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -443,6 +444,13 @@ class BertImplModel(BertImplPreTrainedModel):
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         return_dict = self.config.return_dict if return_dict is None else return_dict
+        if (self.compiled_encoder is not None and inputs_embeds is None and not output_attentions
+                and not output_hidden_states and cu_seq_lens_q is None and seq_idx is None and not label_checks):
+            # the compiled program where it can stand in (compiled_encoder.py); it checks the values itself
+            compiled = self.compiled_encoder(input_ids, attention_mask, token_type_ids, position_ids)
+            if compiled is not None:
+                out = BaseModelOutputWithPooling(compiled[0], compiled[1] if self.pooler is not None else None)
+                return out if return_dict else out.to_tuple()
         B, T, batch = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                    cu_seq_lens_q, cu_seq_lens_k, seq_idx, label_checks or ())
         device = input_ids.device if input_ids is not None else inputs_embeds.device
@@ -531,6 +539,8 @@ class BertImplModel(BertImplPreTrainedModel):
         B, T = x.shape[:2]
         if padding is False:
             attention_mask = None  # all ones: nothing to mask but, for a packed batch, the sequence boundaries
+        if attention_mask is None and packed_cu_seqlens is None:
+            return None  # said here: under torch.export transformers would make an all-True mask for sdpa
         mask_function, skip_if_unmasked = bidirectional_mask_function, padding is not True
         if packed_cu_seqlens is not None:
             if implementation.startswith("flash_attention"):

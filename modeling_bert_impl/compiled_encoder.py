@@ -1,0 +1,190 @@
+"""The model compiled ahead of time for CPU inference: `compile_for_inference(model, package_path)`.
+
+A single short query is where eager PyTorch loses to ONNX Runtime: at batch 1 x 16 tokens all-MiniLM-L6-v2's 24
+products take 2.9 ms, and the dozen other operations of each layer, each dispatched from Python, add 2 ms more even on
+the fused path (fused_layers.py). `compile_for_inference` exports the encoder's forward on a batch with no padding
+(`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a package
+(.pt2): one C++ program with the weights frozen in oneDNN's layout, the small operations fused into loops, no Python
+between them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`); the
+heads run on its outputs as before, and everything else (padded batches, hidden states or attention maps asked for,
+autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference".
+
+Opting in, not the default: the compile takes a C++ compiler and 15-30 s (all-MiniLM-L6-v2, 2 cores), and the
+package holds one more copy of the weights. Compile once, keep the package, and load it in the serving processes: a
+`package_path` that exists is loaded, after checking that it was compiled from these weights with this torch, never
+written over.
+"""
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+
+import torch
+from torch import nn
+
+from .modeling_bert_impl import BertImplModel
+from .packed_linear import global_hooks, probe, untraced_inference
+
+FORMAT = "bert-impl compiled model 1"  # what the package's metadata says it holds; a new layout gets a new number
+PROBE_ROWS = 4  # rows of each matrix compared on each call (`probe`): an update of the weights moves them all
+IMPLEMENTATIONS = ("sdpa", "eager")  # attention arithmetic the program has: softmax(q k^T) v, nothing masked
+
+
+class NoPadding(nn.Module):
+    """What the program computes: the model on a batch with no padding (B, T) ids -> last hidden state (B, T, H)
+    and, with a pooler, the pooled output (B, H)."""
+
+    def __init__(self, base: BertImplModel):
+        super().__init__()
+        self.base = base
+
+    def forward(self, input_ids, token_type_ids, position_ids):
+        return self.base(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+                         return_dict=False)
+
+
+def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | None = None) -> nn.Module:
+    """Give `model` (any bert-impl head, on CPU in float32) an ahead-of-time compiled encoder for inference, in place;
+    returns it (in eval mode).
+
+    `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it was compiled
+    from the same weights by the same torch (else a ValueError says what differs); None compiles into a temporary
+    file. Calls with `input_ids` and no padding (batch 1, dense batches, at least 2 tokens), no hidden states or
+    attention maps asked for, in inference (`torch.no_grad()`, eval mode), then run the encoder (embeddings, layers,
+    pooler) as that program; the heads run as before. Changing the weights afterwards (training, `load_state_dict`,
+    merging an adapter) sends calls back to the eager path with a warning: compile again. Replacing modules (PEFT
+    adapters, `quantize_for_inference`) or hooks on them do the same without one."""
+    base = getattr(model, "base_model", model)
+    if not isinstance(base, BertImplModel):
+        raise ValueError(f"model: {type(model).__name__} is not a bert-impl model")
+    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in base.parameters()):
+        raise ValueError("model: compile_for_inference compiles for CPU in float32; move the model with "
+                         "`.float().cpu()` first")
+    if base.config._attn_implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"model: attention implementation {base.config._attn_implementation!r} is not compiled; "
+                         f"load the model with attn_implementation in {IMPLEMENTATIONS}")
+    model.eval()
+    base.compiled_encoder = None  # while compiling: the model as it is
+    metadata = {"format": FORMAT, "torch": torch.__version__, "fingerprint": fingerprint(base)}
+    if package_path is not None and os.path.exists(package_path):
+        runner = torch._inductor.aoti_load_package(os.fspath(package_path))
+        found = runner.get_metadata()
+        differs = [key for key, value in metadata.items() if found.get(key) != value]
+        if differs:
+            what = {"format": "package format", "torch": "torch release", "fingerprint": "model or weights"}
+            raise ValueError(
+                f"package_path: {os.fspath(package_path)} was compiled from another "
+                + " and ".join(what[k] for k in differs)
+                + "".join(f" ({k} {found.get(k)!r}, here {metadata[k]!r})" for k in differs if k != "fingerprint")
+                + "; give another path, or delete it to compile this model there"
+            )
+    else:
+        if package_path is None:
+            package_path = os.path.join(tempfile.mkdtemp(prefix="bert_impl_"), "model.pt2")
+        runner = compile_package(base, os.fspath(package_path), metadata)
+    base.compiled_encoder = CompiledEncoder(runner, base)
+    return model
+
+
+def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str]):
+    """Export the no-padding forward with batch and length dynamic, compile it with AOTInductor (weights frozen in
+    oneDNN's layout), write the package and load it."""
+    ids = torch.full((2, 8), base.config.pad_token_id + 1)  # (B, T) an example; any B >= 1, 2 <= T <= positions
+    batch = torch.export.Dim("batch", min=1)
+    length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
+    with torch.no_grad():
+        program = torch.export.export(NoPadding(base), (ids, torch.zeros_like(ids), torch.arange(8).expand(2, 8)),
+                                      dynamic_shapes=({0: batch, 1: length},) * 3)
+        written = torch._inductor.aoti_compile_and_package(
+            program, package_path=package_path,
+            inductor_configs={"freezing": True, "aot_inductor.metadata": metadata},
+        )
+    return torch._inductor.aoti_load_package(written)
+
+
+# the config fields the program's arithmetic reads
+ENCODER_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps")
+
+
+def fingerprint(base: BertImplModel) -> str:
+    """sha256 of what the program computes from: the encoder's config fields and parameters (names, shapes, values);
+    not the heads', which run outside it."""
+    digest = hashlib.sha256(json.dumps([getattr(base.config, name) for name in ENCODER_FIELDS]).encode())
+    for name, p in base.named_parameters():
+        digest.update(f"{name} {tuple(p.shape)}".encode())
+        digest.update(p.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class CompiledEncoder:
+    """The compiled program and what it was compiled from; BertImplModel calls it in place of its own forward where it
+    computes the same (`__call__`).
+
+    The model may have changed since it was compiled, so each call checks, in about 0.3 ms on the caches a query
+    leaves: every module below the model the same object as then, with the same parameters, in eval mode, with no hooks
+    and no patched `forward` (nor global hooks); each parameter's storage and version counter as then, and a few
+    entries of each matrix (`probe`) equal to their values then (an update through `.data`, as PEFT's merge does,
+    moves no counter). Values out of range (ids, token types, positions) fail the program's own check, and the call
+    goes to the eager path, which names them."""
+
+    def __init__(self, runner, base: BertImplModel):
+        self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
+        self.positions = torch.arange(base.config.max_position_embeddings)  # (max T,)
+        modules = list(base.modules())
+        self.tree = [(m.__dict__, tuple(m._modules.values()), tuple(map(id, m._parameters.values()))) for m in modules]
+        self.params = [p for m in modules for p in m._parameters.values()]  # held: their ids stay theirs
+        self.keys = [(p.data_ptr(), p._version) for p in self.params]
+        self.probes = [probe(p.detach(), PROBE_ROWS) for p in self.params if p.dim() == 2]
+        self.probed = torch.cat(self.probes).clone()
+        self.warned = False
+
+    def __call__(self, input_ids, attention_mask, token_type_ids, position_ids) -> list | None:
+        """[last hidden state (B, T, H), pooled output (B, H) where the model pools] for a batch with no padding, or
+        None where the program may not stand in for the model."""
+        if input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu" or not untraced_inference():
+            return None
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = self.positions[:T].expand(B, T)
+        elif attention_mask is None and B == 1:
+            return None  # positions that restart would make it a packed batch: the eager path decides
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        ids = (input_ids, token_type_ids, position_ids)
+        if (not 2 <= T <= len(self.positions) or token_type_ids.shape != (B, T)
+                or position_ids.shape not in ((B, T), (1, T))
+                or any(t.dtype != torch.int64 or t.device.type != "cpu" for t in ids)
+                or global_hooks() or not self.same_modules()):
+            return None
+        if attention_mask is not None and (attention_mask.shape != (B, T) or attention_mask.device.type != "cpu"
+                                           or not bool((attention_mask == 1).all())):
+            return None  # padding (or a mask value the eager path refuses)
+        if not self.same_weights():
+            if not self.warned:
+                warnings.warn("compile_for_inference: the model's weights changed since it was compiled, so it runs "
+                              "uncompiled; call compile_for_inference(model) again to compile the new weights")
+                self.warned = True
+            return None
+        try:
+            return self.run([t.expand(B, T).contiguous() for t in ids])
+        except RuntimeError:  # its range check of the ids failed: the eager path says which
+            return None
+
+    def __deepcopy__(self, memo):  # a copy of the model has other modules: none of its calls could run the program
+        return None
+
+    def same_modules(self) -> bool:
+        """Every module as compiled: the same children and parameters, eval mode, no hooks, no patched forward."""
+        for state, children, params in self.tree:
+            if (state["training"] or state["_forward_hooks"] or state["_forward_pre_hooks"] or "forward" in state
+                    or tuple(state["_modules"].values()) != children
+                    or tuple(map(id, state["_parameters"].values())) != params):
+                return False
+        return True
+
+    def same_weights(self) -> bool:
+        return (all((p.data_ptr(), p._version) == key for p, key in zip(self.params, self.keys))
+                and torch.equal(torch.cat(self.probes), self.probed))

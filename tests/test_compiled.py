@@ -1,0 +1,263 @@
+"""compile_for_inference (modeling_bert_impl/compiled_encoder.py): the model's no-padding forward compiled ahead of
+time by AOTInductor. Every head gives the outputs of its eager path; the program runs where it may (batch 1, dense
+batches) and nowhere else (padding, hidden states or attention maps asked for, autograd, training, hooks, replaced or
+changed modules and weights, packed batches); packages are reused, never written over; bad ids are named as eagerly.
+
+Each compile takes 10-20 s on 2 cores: the module compiles two packages (a model with a pooler and one without) and
+every test loads them."""
+
+import copy
+import os
+import re
+from contextlib import nullcontext
+import sys
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+
+import modeling_bert_impl as bi
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_modeling import HEADS, SMALL, make_inputs, output_tensors  # noqa: E402
+
+WITHOUT_POOLER = ("BertImplForMaskedLM", "BertImplForTokenClassification", "BertImplForQuestionAnswering")
+
+
+@pytest.fixture(scope="module")
+def encoder_state():
+    torch.manual_seed(0)
+    return bi.BertImplModel(bi.BertImplConfig(**SMALL)).state_dict()
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory, encoder_state):
+    """A package compiled from the SMALL encoder's weights, with and without its pooler."""
+    folder = tmp_path_factory.mktemp("packages")
+    paths = {pooler: str(folder / f"pooler_{pooler}.pt2") for pooler in (True, False)}
+    for pooler, path in paths.items():
+        model = bi.BertImplModel(bi.BertImplConfig(**SMALL), add_pooling_layer=pooler)
+        model.load_state_dict(encoder_state, strict=False)
+        bi.compile_for_inference(model, path)
+        assert os.path.exists(path)
+    return paths
+
+
+def compiled(our_name: str, packages, encoder_state, **config):
+    """A head on the SMALL encoder's weights (its own layers seeded), compiled from the packages."""
+    torch.manual_seed(1)
+    model = getattr(bi, our_name)(bi.BertImplConfig(**{**SMALL, **config}))
+    model.base_model.load_state_dict(encoder_state, strict=False)
+    return bi.compile_for_inference(model, packages[our_name not in WITHOUT_POOLER])
+
+
+def program_calls(model) -> list:
+    """Counts the compiled program's runs."""
+    encoder, calls = model.base_model.compiled_encoder, []
+    run = encoder.run
+    encoder.run = lambda args: calls.append(1) or run(args)
+    return calls
+
+
+def eager(model, **inputs):
+    """The model's outputs on its eager path (the compiled program set aside)."""
+    base = model.base_model
+    encoder, base.compiled_encoder = base.compiled_encoder, None
+    try:
+        return model(**inputs)
+    finally:
+        base.compiled_encoder = encoder
+
+
+def assert_same_outputs(got, expected):
+    got, expected = output_tensors(got), output_tensors(expected)
+    assert got.keys() == expected.keys() and got
+    for name, e in expected.items():
+        assert got[name].shape == e.shape, name
+        assert (got[name] - e).abs().max().item() < 1e-5, name
+
+
+LAYOUTS = {"1x9": (1, [9]), "dense 3x9": (3, [9, 9, 9]), "padded": (3, [9, 6, 4])}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("stock_name,our_name,auto_name", HEADS, ids=[h[1] for h in HEADS])
+def test_every_head_runs_the_program_where_nothing_is_padded(packages, encoder_state, stock_name, our_name, auto_name,
+                                                             layout):
+    num_labels = 2 if "Question" in our_name else 3
+    model = compiled(our_name, packages, encoder_state, num_labels=num_labels)
+    calls = program_calls(model)
+    inputs, _ = make_inputs(stock_name, model.config, torch.Generator().manual_seed(2))
+    B, lengths = LAYOUTS[layout]
+    T = inputs["input_ids"].shape[-1]
+    inputs = {k: v[:B].clone() for k, v in inputs.items()}
+    inputs["attention_mask"][..., :] = (torch.arange(T) < torch.tensor(lengths)[:, None]).long().view(
+        (B,) + (1,) * (inputs["attention_mask"].dim() - 2) + (T,))
+    with torch.inference_mode():
+        got, expected = model(**inputs), eager(model, **inputs)
+        tuples = model(**{**inputs, "attention_mask": inputs["attention_mask"].bool()}, return_dict=False)
+    assert len(calls) == (0 if layout == "padded" else 2)
+    assert_same_outputs(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(tuples, got.to_tuple()))
+
+
+STEP_ASIDE = {
+    "hidden states": lambda model, inputs: model(**inputs, output_hidden_states=True),
+    "attention maps": lambda model, inputs: model(**inputs, output_attentions=True),
+    "inputs_embeds": lambda model, inputs: model(inputs_embeds=model.embeddings.word_embeddings(inputs["input_ids"])),
+    "one token": lambda model, inputs: model(input_ids=inputs["input_ids"][:, :1]),
+    "positions of a packed row": lambda model, inputs: model(
+        input_ids=inputs["input_ids"][:1], position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])),
+    "cu_seq_lens": lambda model, inputs: model(
+        input_ids=inputs["input_ids"][:1], cu_seq_lens_q=torch.tensor([0, 4, 9], dtype=torch.int32),
+        cu_seq_lens_k=torch.tensor([0, 4, 9], dtype=torch.int32), max_length_q=5, max_length_k=5),
+}
+
+
+@pytest.mark.parametrize("case", STEP_ASIDE)
+def test_the_program_steps_aside(packages, encoder_state, case):
+    model = compiled("BertImplModel", packages, encoder_state)
+    calls = program_calls(model)
+    inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(3))}
+    with torch.no_grad():
+        got = STEP_ASIDE[case](model, inputs)
+        base = model.base_model
+        encoder, base.compiled_encoder = base.compiled_encoder, None
+        expected = STEP_ASIDE[case](model, inputs)
+        base.compiled_encoder = encoder
+    assert calls == []
+    assert_same_outputs(got, expected)
+
+
+def test_autograd_training_and_hooks_take_the_eager_path(packages, encoder_state):
+    model = compiled("BertImplForSequenceClassification", packages, encoder_state)
+    calls = program_calls(model)
+    inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(4))}
+    model(**inputs).logits.sum().backward()  # autograd: gradients reach the weights
+    assert model.bert.layers[0].ffn.up.weight.grad is not None and calls == []
+    model.zero_grad()
+    with torch.no_grad():
+        model.train()
+        model(**inputs)
+        model.eval()
+        model.bert.layers[1].dropout.train()  # one module in training mode
+        model(**inputs)
+        model.bert.layers[1].dropout.eval()
+        assert calls == []
+        expected = model(**inputs).logits
+        assert len(calls) == 1
+        seen = []
+        hook = model.bert.layers[1].attn_norm.register_forward_hook(lambda m, a, out: seen.append(out))
+        hooked = model(**inputs).logits
+        hook.remove()
+        model.bert.embeddings.norm.forward = lambda x: torch.zeros_like(x)  # a patched forward
+        patched = model(**inputs).logits
+        del model.bert.embeddings.norm.forward
+        assert len(calls) == 1 and len(seen) == 1 and torch.allclose(hooked, expected, atol=1e-5)
+        assert (patched - expected).abs().max() > 1e-3  # the patch ran
+        model(**inputs)
+    assert len(calls) == 2  # the program again once nothing observes the model
+
+
+UPDATES = {
+    "through the parameter": lambda model: model.base_model.layers[0].attn.qkv.weight.mul_(1.1),
+    "through .data": lambda model: model.base_model.layers[1].ffn.down.weight.data.mul_(1.5),
+    "a LayerNorm's bias": lambda model: model.base_model.layers[1].ffn_norm.bias.add_(0.1),
+    "load_state_dict": lambda model: model.load_state_dict(
+        {k: v + 0.01 for k, v in model.state_dict().items()}),
+    "a new parameter": lambda model: setattr(model.base_model.layers[0].ffn.up, "weight", torch.nn.Parameter(
+        model.base_model.layers[0].ffn.up.weight * 0.9)),
+    "a new module": lambda model: model.base_model.layers[0].attn.__setattr__("out", torch.nn.Linear(32, 32)),
+    "the model in float64": lambda model: model.double(),
+}
+
+
+@pytest.mark.parametrize("update", UPDATES)
+def test_changed_weights_and_modules_take_the_eager_path(packages, encoder_state, update):
+    model = compiled("BertImplModel", packages, encoder_state)
+    calls = program_calls(model)
+    inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(5))}
+    with torch.no_grad():
+        before = model(**inputs).last_hidden_state
+        UPDATES[update](model)
+        replaced = update in ("a new parameter", "a new module")  # a module that is not the compiled one: no warning
+        with nullcontext() if replaced else pytest.warns(UserWarning, match="weights changed since it was compiled"):
+            got = model(**inputs).last_hidden_state
+        expected = eager(model, **inputs).last_hidden_state
+    assert len(calls) == 1
+    assert torch.equal(got, expected)
+    if update == "the model in float64":
+        assert got.dtype == torch.float64
+    else:
+        assert (got - before).abs().max() > 1e-4
+
+
+def test_peft_adapters_take_the_eager_path_and_merged_weights_are_seen(packages, encoder_state):
+    model = compiled("BertImplModel", packages, encoder_state)
+    calls = program_calls(model)
+    inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(6))}
+    with torch.no_grad():
+        before = model(**inputs).last_hidden_state
+        peft_model = peft.get_peft_model(model, peft.LoraConfig(target_modules=["qkv", "up"],
+                                                                init_lora_weights=False)).eval()
+        adapted = peft_model(**inputs).last_hidden_state
+        merged = peft_model.merge_and_unload()  # the base layers back, their weights changed through .data
+        with pytest.warns(UserWarning, match="weights changed"):
+            got = merged(**inputs).last_hidden_state
+    assert len(calls) == 1  # only the first call
+    assert (adapted - before).abs().max() > 1e-3
+    assert (got - adapted).abs().max() < 1e-5
+
+
+def test_bad_ids_are_named_and_the_program_still_serves(packages, encoder_state):
+    model = compiled("BertImplModel", packages, encoder_state)
+    calls = program_calls(model)
+    ids = torch.randint(1, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(7))
+    bad = ids.clone()
+    bad[1, 4] = SMALL["vocab_size"] + 5
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=f"token id {SMALL['vocab_size'] + 5} is outside the vocabulary"):
+            model(input_ids=bad)
+        with pytest.raises(ValueError, match="token type id 2 is outside"):
+            model(input_ids=ids, token_type_ids=torch.full_like(ids, 2))
+        with pytest.raises(ValueError, match="attention_mask"):  # not all ones: the eager path, which refuses a 2
+            model(input_ids=ids, attention_mask=torch.full_like(ids, 2))
+        got = model(input_ids=ids)
+        expected = eager(model, input_ids=ids)
+    assert len(calls) == 3  # the two the program refused (the eager path named them) and the good one
+    assert_same_outputs(got, expected)
+
+
+def test_packages_are_reused_and_never_written_over(packages, encoder_state, tmp_path):
+    path = packages[True]
+    stat = os.stat(path)
+    model = compiled("BertImplModel", packages, encoder_state)  # loaded, not compiled
+    assert os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    other = bi.BertImplModel(bi.BertImplConfig(**SMALL))  # other weights
+    with pytest.raises(ValueError, match=re.escape(f"package_path: {path} was compiled from another model or weights")):
+        bi.compile_for_inference(other, path)
+    assert os.stat(path).st_mtime_ns == stat.st_mtime_ns and other.compiled_encoder is None
+    longer = bi.BertImplModel(bi.BertImplConfig(**{**SMALL, "max_position_embeddings": 128}))
+    with pytest.raises(ValueError, match="another model or weights"):
+        bi.compile_for_inference(longer, path)
+    # what a saved model holds is the model's own: no program, the same outputs
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = bi.BertImplModel.from_pretrained(tmp_path / "saved").eval()
+    ids = torch.randint(1, SMALL["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert reloaded.compiled_encoder is None
+        assert_same_outputs(reloaded(input_ids=ids), model(input_ids=ids))
+        duplicate = copy.deepcopy(model)
+        assert duplicate.compiled_encoder is None
+        assert_same_outputs(duplicate(input_ids=ids), model(input_ids=ids))
+
+
+def test_models_it_cannot_compile_are_refused():
+    with pytest.raises(ValueError, match="CPU in float32"):
+        bi.compile_for_inference(bi.BertImplModel(bi.BertImplConfig(**SMALL)).double())
+    flex = bi.BertImplModel(bi.BertImplConfig(**SMALL, attn_implementation="flex_attention"))
+    with pytest.raises(ValueError, match="flex_attention"):
+        bi.compile_for_inference(flex)
+    with pytest.raises(ValueError, match="not a bert-impl model"):
+        bi.compile_for_inference(torch.nn.Linear(2, 2))
