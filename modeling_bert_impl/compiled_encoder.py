@@ -23,12 +23,14 @@ import warnings
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
 
 from .modeling_bert_impl import BertImplModel
 from .packed_linear import global_hooks, probe, untraced_inference
 
 FORMAT = "bert-impl compiled model 1"  # what the package's metadata says it holds; a new layout gets a new number
-PROBE_ROWS = 4  # rows of each matrix compared on each call (`probe`): an update of the weights moves them all
+PROBE_ROWS = 1  # rows of each matrix compared on each call (`probe`): an update of a whole matrix moves them all
 IMPLEMENTATIONS = ("sdpa", "eager")  # attention arithmetic the program has: softmax(q k^T) v, nothing masked
 
 
@@ -119,22 +121,52 @@ def fingerprint(base: BertImplModel) -> str:
     return digest.hexdigest()
 
 
+class Changes:
+    """A count that moves with every submodule or parameter assigned to any module (torch's global registration hooks,
+    registered by the first compile) and a hook id that moves with every hook registered (each takes the next
+    `RemovableHandle` id): while neither moves, no module tree changed and none gained a hook."""
+
+    assignments, watching = 0, False
+
+    @classmethod
+    def watch(cls):
+        if not cls.watching:
+            module_hooks.register_module_module_registration_hook(cls.count)
+            module_hooks.register_module_parameter_registration_hook(cls.count)
+            cls.watching = True
+
+    @classmethod
+    def count(cls, module, name, value):  # a registration hook: counts, and the assignment goes on unchanged
+        cls.assignments += 1
+
+    @classmethod
+    def now(cls) -> tuple[int, int]:
+        return cls.assignments, RemovableHandle.next_id
+
+
 class CompiledEncoder:
     """The compiled program and what it was compiled from; BertImplModel calls it in place of its own forward where it
     computes the same (`__call__`).
 
-    The model may have changed since it was compiled, so each call checks, in about 0.3 ms on the caches a query
-    leaves: every module below the model the same object as then, with the same parameters, in eval mode, with no hooks
-    and no patched `forward` (nor global hooks); each parameter's storage and version counter as then, and a few
-    entries of each matrix (`probe`) equal to their values then (an update through `.data`, as PEFT's merge does,
-    moves no counter). Values out of range (ids, token types, positions) fail the program's own check, and the call
-    goes to the eager path, which names them."""
+    The model may have changed since it was compiled, so each call checks (0.2-0.3 ms in all on the cold caches a
+    query leaves behind, beside 3.2 ms of program at 1 x 16 tokens): no module in training mode or with a patched
+    `forward`; each parameter's storage and version counter as then, and the first entries of each matrix (`probe`)
+    equal to their values then (an update through `.data`, as PEFT's merge and EMA updates do, moves no counter); every
+    module below the model the same object as then, with the same parameters and no hooks, looked at again whenever a
+    module or parameter was assigned or a hook registered anywhere since the last look (`Changes`). Values out of
+    range (ids, token types, positions) fail the program's own check (which prints it), and the call goes to the eager
+    path, which names them."""
 
     def __init__(self, runner, base: BertImplModel):
         self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
         self.positions = torch.arange(base.config.max_position_embeddings)  # (max T,)
+        self.zeros = torch.zeros_like(self.positions)  # (max T,) token types where none are given
+        self.one = torch.ones((), dtype=torch.int64)  # what an attention mask without padding holds
         modules = list(base.modules())
+        self.states = [m.__dict__ for m in modules]
         self.tree = [(m.__dict__, tuple(m._modules.values()), tuple(map(id, m._parameters.values()))) for m in modules]
+        self.changes = None  # `Changes.now()` when the tree was last found as compiled
+        Changes.watch()
         self.params = [p for m in modules for p in m._parameters.values()]  # held: their ids stay theirs
         self.keys = [(p.data_ptr(), p._version) for p in self.params]
         self.probes = [probe(p.detach(), PROBE_ROWS) for p in self.params if p.dim() == 2]
@@ -152,7 +184,7 @@ class CompiledEncoder:
         elif attention_mask is None and B == 1:
             return None  # positions that restart would make it a packed batch: the eager path decides
         if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
+            token_type_ids = self.zeros[:T].expand(B, T)
         ids = (input_ids, token_type_ids, position_ids)
         if (not 2 <= T <= len(self.positions) or token_type_ids.shape != (B, T)
                 or position_ids.shape not in ((B, T), (1, T))
@@ -160,7 +192,7 @@ class CompiledEncoder:
                 or global_hooks() or not self.same_modules()):
             return None
         if attention_mask is not None and (attention_mask.shape != (B, T) or attention_mask.device.type != "cpu"
-                                           or not bool((attention_mask == 1).all())):
+                                           or not torch.equal(attention_mask, self.one.to(attention_mask.dtype).expand(B, T))):
             return None  # padding (or a mask value the eager path refuses)
         if not self.same_weights():
             if not self.warned:
@@ -176,15 +208,29 @@ class CompiledEncoder:
     def __deepcopy__(self, memo):  # a copy of the model has other modules: none of its calls could run the program
         return None
 
+    def __reduce__(self):  # a pickled model unpickles without it, as a copy
+        return type(None), ()
+
     def same_modules(self) -> bool:
-        """Every module as compiled: the same children and parameters, eval mode, no hooks, no patched forward."""
+        """Every module as compiled (the same children and parameters, no hooks: looked at again only after an
+        assignment or a hook anywhere: `Changes`), in eval mode, with no patched forward."""
+        changes = Changes.now()
+        if changes != self.changes:
+            if not self.same_tree():
+                return False
+            self.changes = changes
+        for state in self.states:
+            if state["training"] or "forward" in state:
+                return False
+        return True
+
+    def same_tree(self) -> bool:
         for state, children, params in self.tree:
-            if (state["training"] or state["_forward_hooks"] or state["_forward_pre_hooks"] or "forward" in state
-                    or tuple(state["_modules"].values()) != children
+            if (state["_forward_hooks"] or state["_forward_pre_hooks"] or tuple(state["_modules"].values()) != children
                     or tuple(map(id, state["_parameters"].values())) != params):
                 return False
         return True
 
     def same_weights(self) -> bool:
-        return (all((p.data_ptr(), p._version) == key for p, key in zip(self.params, self.keys))
+        return ([(p.data_ptr(), p._version) for p in self.params] == self.keys
                 and torch.equal(torch.cat(self.probes), self.probed))

@@ -8,6 +8,7 @@ every test loads them."""
 
 import copy
 import os
+import pickle
 import re
 from contextlib import nullcontext
 import sys
@@ -241,16 +242,16 @@ def test_packages_are_reused_and_never_written_over(packages, encoder_state, tmp
     longer = bi.BertImplModel(bi.BertImplConfig(**{**SMALL, "max_position_embeddings": 128}))
     with pytest.raises(ValueError, match="another model or weights"):
         bi.compile_for_inference(longer, path)
-    # what a saved model holds is the model's own: no program, the same outputs
+    # what a saved, copied or pickled model holds is the model's own: no program, the same outputs
     model.save_pretrained(tmp_path / "saved")
     reloaded = bi.BertImplModel.from_pretrained(tmp_path / "saved").eval()
     ids = torch.randint(1, SMALL["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         assert reloaded.compiled_encoder is None
         assert_same_outputs(reloaded(input_ids=ids), model(input_ids=ids))
-        duplicate = copy.deepcopy(model)
-        assert duplicate.compiled_encoder is None
-        assert_same_outputs(duplicate(input_ids=ids), model(input_ids=ids))
+        for duplicate in copy.deepcopy(model), pickle.loads(pickle.dumps(model)):
+            assert duplicate.compiled_encoder is None
+            assert_same_outputs(duplicate(input_ids=ids), model(input_ids=ids))
 
 
 def test_models_it_cannot_compile_are_refused():
