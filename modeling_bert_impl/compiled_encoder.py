@@ -27,10 +27,9 @@ from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
 from .modeling_bert_impl import BertImplModel
-from .packed_linear import global_hooks, probe, untraced_inference
+from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
 
 FORMAT = "bert-impl compiled model 1"  # what the package's metadata says it holds; a new layout gets a new number
-PROBE_ROWS = 1  # rows of each matrix compared on each call (`probe`): an update of a whole matrix moves them all
 IMPLEMENTATIONS = ("sdpa", "eager")  # attention arithmetic the program has: softmax(q k^T) v, nothing masked
 
 
@@ -148,14 +147,14 @@ class CompiledEncoder:
     """The compiled program and what it was compiled from; BertImplModel calls it in place of its own forward where it
     computes the same (`__call__`).
 
-    The model may have changed since it was compiled, so each call checks (0.2-0.3 ms in all on the cold caches a
-    query leaves behind, beside 3.2 ms of program at 1 x 16 tokens): no module in training mode or with a patched
-    `forward`; each parameter's storage and version counter as then, and the first entries of each matrix (`probe`)
-    equal to their values then (an update through `.data`, as PEFT's merge and EMA updates do, moves no counter); every
-    module below the model the same object as then, with the same parameters and no hooks, looked at again whenever a
-    module or parameter was assigned or a hook registered anywhere since the last look (`Changes`). Values out of
-    range (ids, token types, positions) fail the program's own check (which prints it), and the call goes to the eager
-    path, which names them."""
+    The model may have changed since it was compiled, so each call checks (0.3 ms in all on the cold caches a query
+    leaves behind, beside 3.2-3.6 ms of program at 1 x 16 tokens): no module in training mode or with a patched
+    `forward`; the weights unchanged: each vector (biases, norms) equal to its value then, each matrix at the storage
+    and version counter it had, with 16 entries of its middle row equal to their values then (an update through
+    `.data`, as PEFT's merge and EMA updates do, moves no counter); every module below the model the same object as
+    then, with the same parameters and no hooks, looked at again whenever a module or parameter was assigned or a hook
+    registered anywhere since the last look (`Changes`). Values out of range (ids, token types, positions) fail the
+    program's own check (which prints it), and the call goes to the eager path, which names them."""
 
     def __init__(self, runner, base: BertImplModel):
         self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
@@ -168,9 +167,13 @@ class CompiledEncoder:
         self.changes = None  # `Changes.now()` when the tree was last found as compiled
         Changes.watch()
         self.params = [p for m in modules for p in m._parameters.values()]  # held: their ids stay theirs
-        self.keys = [(p.data_ptr(), p._version) for p in self.params]
-        self.probes = [probe(p.detach(), PROBE_ROWS) for p in self.params if p.dim() == 2]
-        self.probed = torch.cat(self.probes).clone()
+        self.matrices = [p for p in self.params if p.dim() == 2]
+        self.storage = [(p.data_ptr(), p._version) for p in self.matrices]
+        # the vectors whole (read through the parameter, so a new storage is seen); of each matrix, the first entries of
+        # its middle row (a view of the storage it had, compared by address and version counter besides)
+        self.watched = [p for p in self.params if p.dim() == 1] + [p.detach()[len(p) // 2, :PROBE_WIDTH]
+                                                                  for p in self.matrices]
+        self.values = torch.cat(self.watched).clone()
         self.warned = False
 
     def __call__(self, input_ids, attention_mask, token_type_ids, position_ids) -> list | None:
@@ -232,5 +235,5 @@ class CompiledEncoder:
         return True
 
     def same_weights(self) -> bool:
-        return ([(p.data_ptr(), p._version) for p in self.params] == self.keys
-                and torch.equal(torch.cat(self.probes), self.probed))
+        return ([(p.data_ptr(), p._version) for p in self.matrices] == self.storage
+                and torch.equal(torch.cat(self.watched), self.values))

@@ -150,11 +150,11 @@ class Packed(NamedTuple):
     packed: torch.Tensor  # the packed copy
 
 
-def probe(w: torch.Tensor, rows: int = PROBE_ROWS) -> torch.Tensor:  # (out, in) -> (rows, width) a view
-    """`rows` rows spread evenly over the weight, PROBE_WIDTH consecutive entries of each, at a column that moves along
-    with the row: a few entries in every part of the matrix, in few cache lines and pages (reading 256 entries one per
-    page took 3x as long)."""
-    (out, inp), rows, width = w.shape, min(rows, w.shape[0]), min(PROBE_WIDTH, w.shape[1])
+def probe(w: torch.Tensor) -> torch.Tensor:  # (out, in) -> (rows, width) a view
+    """PROBE_ROWS rows spread evenly over the weight, PROBE_WIDTH consecutive entries of each, at a column that moves
+    along with the row: a few entries in every part of the matrix, in few cache lines and pages (reading 256 entries
+    one per page took 3x as long)."""
+    (out, inp), rows, width = w.shape, min(PROBE_ROWS, w.shape[0]), min(PROBE_WIDTH, w.shape[1])
     return w.as_strided((rows, width), ((out // rows) * inp + (inp - width) // rows, 1), w.storage_offset())
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import peft
 import pytest
 import torch
+import transformers
 
 import modeling_bert_impl as bi
 
@@ -262,3 +263,38 @@ def test_models_it_cannot_compile_are_refused():
         bi.compile_for_inference(flex)
     with pytest.raises(ValueError, match="not a bert-impl model"):
         bi.compile_for_inference(torch.nn.Linear(2, 2))
+
+
+SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Short one.",
+             "BERT reads text in both directions, which is what makes it a good encoder for retrieval."]
+
+
+def test_sentence_transformers_and_pipelines_run_the_program_on_minilm(minilm_dir, tmp_path):
+    """The real checkpoint through `apply_bert_impl()`: sentence-transformers embedding one query at a time and a
+    feature-extraction pipeline run the program with no change to their code, and give stock transformers' results.
+    A second model from the same checkpoint loads the package instead of compiling."""
+    from sentence_transformers import SentenceTransformer
+
+    stock_encoder = SentenceTransformer(minilm_dir, device="cpu")
+    stock_extractor = transformers.pipeline("feature-extraction", model=minilm_dir, device="cpu")
+    bi.apply_bert_impl()
+    try:
+        encoder = SentenceTransformer(minilm_dir, device="cpu")
+        extractor = transformers.pipeline("feature-extraction", model=minilm_dir, device="cpu")
+    finally:
+        bi.revert_bert_impl()
+    path = tmp_path / "minilm.pt2"
+    bi.compile_for_inference(encoder[0].auto_model, path)
+    stat = os.stat(path)
+    bi.compile_for_inference(extractor.model, path)
+    assert os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    calls = program_calls(encoder[0].auto_model)
+    extractor_calls = program_calls(extractor.model)
+    embeddings = torch.stack([encoder.encode(s, convert_to_tensor=True) for s in SENTENCES])
+    features = [torch.tensor(f[0]) for f in extractor(SENTENCES)]
+    assert len(calls) == len(extractor_calls) == len(SENTENCES)
+    expected = torch.stack([stock_encoder.encode(s, convert_to_tensor=True) for s in SENTENCES])
+    assert (embeddings - expected).abs().max().item() < 1e-5
+    for got, want in zip(features, stock_extractor(SENTENCES)):
+        assert got.shape == torch.tensor(want[0]).shape
+        assert (got - torch.tensor(want[0])).abs().max().item() < 1e-5
