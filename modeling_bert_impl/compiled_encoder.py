@@ -29,21 +29,31 @@ from torch.utils.hooks import RemovableHandle
 from .modeling_bert_impl import BertImplModel
 from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
 
-FORMAT = "bert-impl compiled model 1"  # what the package's metadata says it holds; a new layout gets a new number
+FORMAT = "bert-impl compiled model 2"  # what the package's metadata says it holds; a new layout gets a new number
 IMPLEMENTATIONS = ("sdpa", "eager")  # attention arithmetic the program has: softmax(q k^T) v, nothing masked
 
 
+def watched(base: BertImplModel) -> list[torch.Tensor]:
+    """What the program compares with its own copy on each call to see that the weights did not change: every vector
+    (biases, norms) whole, read through its parameter (so a new storage is seen too), and 16 entries of each matrix's
+    middle row, a view of the storage it has now (whose address and version counter are compared besides)."""
+    params = [p for m in base.modules() for p in m._parameters.values()]
+    return [p for p in params if p.dim() == 1] + [p.detach()[len(p) // 2, :PROBE_WIDTH] for p in params if p.dim() == 2]
+
+
 class NoPadding(nn.Module):
-    """What the program computes: the model on a batch with no padding (B, T) ids -> last hidden state (B, T, H)
-    and, with a pooler, the pooled output (B, H)."""
+    """What the program computes: the model on a batch with no padding (B, T) ids -> last hidden state (B, T, H),
+    with a pooler the pooled output (B, H), and whether `watched` equals its compile-time values (a 0-d bool)."""
 
     def __init__(self, base: BertImplModel):
         super().__init__()
         self.base = base
+        self.register_buffer("watched_values", torch.cat(watched(base)).clone())
 
-    def forward(self, input_ids, token_type_ids, position_ids):
-        return self.base(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
-                         return_dict=False)
+    def forward(self, input_ids, token_type_ids, position_ids, watched_now: list[torch.Tensor]):
+        outputs = self.base(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+                            return_dict=False)
+        return *outputs, torch.eq(torch.cat(watched_now), self.watched_values).all()
 
 
 def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | None = None) -> nn.Module:
@@ -95,9 +105,10 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     ids = torch.full((2, 8), base.config.pad_token_id + 1)  # (B, T) an example; any B >= 1, 2 <= T <= positions
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
+    example = (ids, torch.zeros_like(ids), torch.arange(8).expand(2, 8), [t.clone() for t in watched(base)])
     with torch.no_grad():
-        program = torch.export.export(NoPadding(base), (ids, torch.zeros_like(ids), torch.arange(8).expand(2, 8)),
-                                      dynamic_shapes=({0: batch, 1: length},) * 3)
+        program = torch.export.export(NoPadding(base), example,
+                                      dynamic_shapes=({0: batch, 1: length},) * 3 + ([None] * len(example[3]),))
         written = torch._inductor.aoti_compile_and_package(
             program, package_path=package_path,
             inductor_configs={"freezing": True, "aot_inductor.metadata": metadata},
@@ -147,14 +158,14 @@ class CompiledEncoder:
     """The compiled program and what it was compiled from; BertImplModel calls it in place of its own forward where it
     computes the same (`__call__`).
 
-    The model may have changed since it was compiled, so each call checks (0.3 ms in all on the cold caches a query
-    leaves behind, beside 3.2-3.6 ms of program at 1 x 16 tokens): no module in training mode or with a patched
-    `forward`; the weights unchanged: each vector (biases, norms) equal to its value then, each matrix at the storage
-    and version counter it had, with 16 entries of its middle row equal to their values then (an update through
-    `.data`, as PEFT's merge and EMA updates do, moves no counter); every module below the model the same object as
-    then, with the same parameters and no hooks, looked at again whenever a module or parameter was assigned or a hook
-    registered anywhere since the last look (`Changes`). Values out of range (ids, token types, positions) fail the
-    program's own check (which prints it), and the call goes to the eager path, which names them."""
+    The model may have changed since it was compiled, so each call checks: no module in training mode or with a
+    patched `forward`; every module below the model the same object as then, with the same parameters and no hooks,
+    looked at again whenever a module or parameter was assigned or a hook registered anywhere since the last look
+    (`Changes`); each matrix at the storage and version counter it had; and, in the program itself, the `watched`
+    entries of the weights equal to their values then (an update through `.data`, as PEFT's merge and EMA updates do,
+    moves no counter). A changed weight found there costs that call one run of the program, and the eager path then
+    serves every call. Values out of range (ids, token types, positions) fail the program's own check (which prints
+    it), and the call goes to the eager path, which names them."""
 
     def __init__(self, runner, base: BertImplModel):
         self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
@@ -169,12 +180,8 @@ class CompiledEncoder:
         self.params = [p for m in modules for p in m._parameters.values()]  # held: their ids stay theirs
         self.matrices = [p for p in self.params if p.dim() == 2]
         self.storage = [(p.data_ptr(), p._version) for p in self.matrices]
-        # the vectors whole (read through the parameter, so a new storage is seen); of each matrix, the first entries of
-        # its middle row (a view of the storage it had, compared by address and version counter besides)
-        self.watched = [p for p in self.params if p.dim() == 1] + [p.detach()[len(p) // 2, :PROBE_WIDTH]
-                                                                  for p in self.matrices]
-        self.values = torch.cat(self.watched).clone()
-        self.warned = False
+        self.watched = watched(base)  # the program compares them with its copy: its last output
+        self.stale = False  # weights changed since the compile: the eager path from then on
 
     def __call__(self, input_ids, attention_mask, token_type_ids, position_ids) -> list | None:
         """[last hidden state (B, T, H), pooled output (B, H) where the model pools] for a batch with no padding, or
@@ -197,16 +204,20 @@ class CompiledEncoder:
         if attention_mask is not None and (attention_mask.shape != (B, T) or attention_mask.device.type != "cpu"
                                            or not torch.equal(attention_mask, self.one.to(attention_mask.dtype).expand(B, T))):
             return None  # padding (or a mask value the eager path refuses)
-        if not self.same_weights():
-            if not self.warned:
-                warnings.warn("compile_for_inference: the model's weights changed since it was compiled, so it runs "
-                              "uncompiled; call compile_for_inference(model) again to compile the new weights")
-                self.warned = True
-            return None
+        if self.stale or [(p.data_ptr(), p._version) for p in self.matrices] != self.storage:
+            return self.changed()
         try:
-            return self.run([t.expand(B, T).contiguous() for t in ids])
+            *outputs, same = self.run([*(t.expand(B, T).contiguous() for t in ids), *self.watched])
         except RuntimeError:  # its range check of the ids failed: the eager path says which
             return None
+        return outputs if same else self.changed()
+
+    def changed(self) -> None:
+        if not self.stale:
+            warnings.warn("compile_for_inference: the model's weights changed since it was compiled, so it runs "
+                          "uncompiled; call compile_for_inference(model) again to compile the new weights")
+            self.stale = True
+        return None
 
     def __deepcopy__(self, memo):  # a copy of the model has other modules: none of its calls could run the program
         return None
@@ -233,7 +244,3 @@ class CompiledEncoder:
                     or tuple(map(id, state["_parameters"].values())) != params):
                 return False
         return True
-
-    def same_weights(self) -> bool:
-        return ([(p.data_ptr(), p._version) for p in self.matrices] == self.storage
-                and torch.equal(torch.cat(self.watched), self.values))
