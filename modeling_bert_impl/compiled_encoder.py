@@ -9,10 +9,10 @@ between them. BertImplModel then runs that program wherever the result is the sa
 heads run on its outputs as before, and everything else (padded batches, hidden states or attention maps asked for,
 autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference".
 
-Opting in, not the default: the compile takes a C++ compiler and about 18 s (all-MiniLM-L6-v2, 2 cores), and the
-package, loaded, holds one more copy of the encoder's weights (93 MB there). Compile once, keep the package, and load it in the serving processes: a
-`package_path` that exists is loaded, after checking that it was compiled from these weights with this torch, never
-written over.
+Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores), and the
+package, loaded, holds one more copy of the encoder's weights (93 MB there). Compile once, keep the package, and load
+it in the serving processes: a `package_path` that exists is loaded, after checking that it was compiled from these
+weights with this torch, never written over.
 """
 
 import hashlib
