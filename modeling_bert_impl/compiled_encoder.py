@@ -35,8 +35,9 @@ IMPLEMENTATIONS = ("sdpa", "eager")  # attention arithmetic the program has: sof
 
 def watched(base: BertImplModel) -> list[torch.Tensor]:
     """What the program compares with its own copy on each call to see that the weights did not change: every vector
-    (biases, norms) whole, read through its parameter (so a new storage is seen too), and 16 entries of each matrix's
-    middle row, a view of the storage it has now (whose address and version counter are compared besides)."""
+    (biases, norms) whole, read through its parameter (so a new storage is seen too), and the first PROBE_WIDTH entries
+    of each matrix's middle row, a view of the storage it has now (whose address and version counter are compared
+    besides)."""
     params = [p for m in base.modules() for p in m._parameters.values()]
     return [p for p in params if p.dim() == 1] + [p.detach()[len(p) // 2, :PROBE_WIDTH] for p in params if p.dim() == 2]
 
@@ -102,7 +103,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
 def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str]):
     """Export the no-padding forward with batch and length dynamic, compile it with AOTInductor (weights frozen in
     oneDNN's layout), write the package and load it."""
-    ids = torch.full((2, 8), base.config.pad_token_id + 1)  # (B, T) an example; any B >= 1, 2 <= T <= positions
+    ids = torch.ones(2, 8, dtype=torch.long)  # (B, T) an example; the program takes any B >= 1, 2 <= T <= positions
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
     example = (ids, torch.zeros_like(ids), torch.arange(8).expand(2, 8), [t.clone() for t in watched(base)])
