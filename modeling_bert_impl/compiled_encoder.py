@@ -26,19 +26,23 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+from .fused_layers import UNMASKED_ATTENTION
 from .modeling_bert_impl import BertImplModel
 from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
 
 FORMAT = "bert-impl compiled model 2"  # what the package's metadata says it holds; a new layout gets a new number
-IMPLEMENTATIONS = ("sdpa", "eager")  # attention arithmetic the program has: softmax(q k^T) v, nothing masked
 
 
-def watched(base: BertImplModel) -> list[torch.Tensor]:
+def parameters(base: BertImplModel) -> list[torch.Tensor]:
+    """Every parameter of every module below the model, in module order (the program's inputs follow it)."""
+    return [p for m in base.modules() for p in m._parameters.values()]
+
+
+def watched(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """What the program compares with its own copy on each call to see that the weights did not change: every vector
     (biases, norms) whole, read through its parameter (so a new storage is seen too), and the first PROBE_WIDTH entries
     of each matrix's middle row, a view of the storage it has now (whose address and version counter are compared
     besides)."""
-    params = [p for m in base.modules() for p in m._parameters.values()]
     return [p for p in params if p.dim() == 1] + [p.detach()[len(p) // 2, :PROBE_WIDTH] for p in params if p.dim() == 2]
 
 
@@ -49,7 +53,7 @@ class NoPadding(nn.Module):
     def __init__(self, base: BertImplModel):
         super().__init__()
         self.base = base
-        self.register_buffer("watched_values", torch.cat(watched(base)).clone())
+        self.register_buffer("watched_values", torch.cat(watched(parameters(base))).clone())
 
     def forward(self, input_ids, token_type_ids, position_ids, watched_now: list[torch.Tensor]):
         outputs = self.base(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
@@ -74,9 +78,9 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in base.parameters()):
         raise ValueError("model: compile_for_inference compiles for CPU in float32; move the model with "
                          "`.float().cpu()` first")
-    if base.config._attn_implementation not in IMPLEMENTATIONS:
+    if base.config._attn_implementation not in UNMASKED_ATTENTION:
         raise ValueError(f"model: attention implementation {base.config._attn_implementation!r} is not compiled; "
-                         f"load the model with attn_implementation in {IMPLEMENTATIONS}")
+                         f"load the model with attn_implementation in {UNMASKED_ATTENTION}")
     model.eval()
     base.compiled_encoder = None  # while compiling: the model as it is
     metadata = {"format": FORMAT, "torch": torch.__version__, "fingerprint": fingerprint(base)}
@@ -106,7 +110,7 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     ids = torch.ones(2, 8, dtype=torch.long)  # (B, T) an example; the program takes any B >= 1, 2 <= T <= positions
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
-    example = (ids, torch.zeros_like(ids), torch.arange(8).expand(2, 8), [t.clone() for t in watched(base)])
+    example = (ids, torch.zeros_like(ids), torch.arange(8).expand(2, 8), [t.clone() for t in watched(parameters(base))])
     with torch.no_grad():
         program = torch.export.export(NoPadding(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 3 + ([None] * len(example[3]),))
@@ -173,15 +177,14 @@ class CompiledEncoder:
         self.positions = torch.arange(base.config.max_position_embeddings)  # (max T,)
         self.zeros = torch.zeros_like(self.positions)  # (max T,) token types where none are given
         self.one = torch.ones((), dtype=torch.int64)  # what an attention mask without padding holds
-        modules = list(base.modules())
-        self.states = [m.__dict__ for m in modules]
-        self.tree = [(m.__dict__, tuple(m._modules.values()), tuple(map(id, m._parameters.values()))) for m in modules]
+        self.tree = [(m.__dict__, tuple(m._modules.values()), tuple(map(id, m._parameters.values())))
+                     for m in base.modules()]
         self.changes = None  # `Changes.now()` when the tree was last found as compiled
         Changes.watch()
-        self.params = [p for m in modules for p in m._parameters.values()]  # held: their ids stay theirs
+        self.params = parameters(base)  # held: the ids in `tree` stay theirs
         self.matrices = [p for p in self.params if p.dim() == 2]
         self.storage = [(p.data_ptr(), p._version) for p in self.matrices]
-        self.watched = watched(base)  # the program compares them with its copy: its last output
+        self.watched = watched(self.params)  # the program compares them with its copy: its last output
         self.stale = False  # weights changed since the compile: the eager path from then on
 
     def __call__(self, input_ids, attention_mask, token_type_ids, position_ids) -> list | None:
@@ -202,8 +205,9 @@ class CompiledEncoder:
                 or any(t.dtype != torch.int64 or t.device.type != "cpu" for t in ids)
                 or global_hooks() or not self.same_modules()):
             return None
-        if attention_mask is not None and (attention_mask.shape != (B, T) or attention_mask.device.type != "cpu"
-                                           or not torch.equal(attention_mask, self.one.to(attention_mask.dtype).expand(B, T))):
+        mask = attention_mask
+        if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"
+                                 or not torch.equal(mask, self.one.to(mask.dtype).expand(B, T))):
             return None  # padding (or a mask value the eager path refuses)
         if self.stale or [(p.data_ptr(), p._version) for p in self.matrices] != self.storage:
             return self.changed()
@@ -234,7 +238,7 @@ class CompiledEncoder:
             if not self.same_tree():
                 return False
             self.changes = changes
-        for state in self.states:
+        for state, _, _ in self.tree:
             if state["training"] or "forward" in state:
                 return False
         return True

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from .packed_linear import cpu_inference, global_hooks, linear, packable_weight, packed_product, packed_weights, plain
 
+UNMASKED_ATTENTION = ("sdpa", "eager")  # attention implementations whose arithmetic, with no mask, is softmax(q k^T) v
+
 
 def fused_weights(x: torch.Tensor, layers, attn_implementation: str) -> list[list] | None:
     """None where `fused_layer` may not run `layers` (BertImplLayer modules) on x; else, for each layer, the packed
@@ -24,7 +26,7 @@ def fused_weights(x: torch.Tensor, layers, attn_implementation: str) -> list[lis
     It may where x is CPU float32 inference, not traced, the attention implementation's arithmetic is `fused_layer`'s
     (sdpa and eager: softmax(q k^T) v), no global hooks, and every layer gives its `fused_linears` (eval mode,
     nothing observed or replaced but linear layers)."""
-    if attn_implementation not in ("sdpa", "eager") or not cpu_inference(x) or global_hooks():
+    if attn_implementation not in UNMASKED_ATTENTION or not cpu_inference(x) or global_hooks():
         return None
     linears = []
     for layer in layers:

@@ -22,7 +22,7 @@ import transformers
 import modeling_bert_impl as bi
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_modeling import HEADS, SMALL, make_inputs, output_tensors  # noqa: E402
+from test_modeling import HEADS, LAYOUTS, SMALL, layout_inputs, output_tensors  # noqa: E402
 
 WITHOUT_POOLER = ("BertImplForMaskedLM", "BertImplForTokenClassification", "BertImplForQuestionAnswering")
 
@@ -78,15 +78,16 @@ def eager(model, **inputs):
         return model(**inputs)
 
 
+def random_ids(B: int, seed: int) -> torch.Tensor:  # (B, 9) token ids of the SMALL vocabulary
+    return torch.randint(1, SMALL["vocab_size"], (B, 9), generator=torch.Generator().manual_seed(seed))
+
+
 def assert_same_outputs(got, expected):
     got, expected = output_tensors(got), output_tensors(expected)
     assert got.keys() == expected.keys() and got
     for name, e in expected.items():
         assert got[name].shape == e.shape, name
         assert (got[name] - e).abs().max().item() < 1e-5, name
-
-
-LAYOUTS = {"1x9": (1, [9]), "dense 3x9": (3, [9, 9, 9]), "padded": (3, [9, 6, 4])}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -96,12 +97,7 @@ def test_every_head_runs_the_program_where_nothing_is_padded(packages, encoder_s
     num_labels = 2 if "Question" in our_name else 3
     model = compiled(our_name, packages, encoder_state, num_labels=num_labels)
     calls = program_calls(model)
-    inputs, _ = make_inputs(stock_name, model.config, torch.Generator().manual_seed(2))
-    B, lengths = LAYOUTS[layout]
-    T = inputs["input_ids"].shape[-1]
-    inputs = {k: v[:B].clone() for k, v in inputs.items()}
-    inputs["attention_mask"][..., :] = (torch.arange(T) < torch.tensor(lengths)[:, None]).long().view(
-        (B,) + (1,) * (inputs["attention_mask"].dim() - 2) + (T,))
+    inputs = layout_inputs(stock_name, model.config, layout, torch.Generator().manual_seed(2))
     with torch.inference_mode():
         got, expected = model(**inputs), eager(model, **inputs)
         tuples = model(**{**inputs, "attention_mask": inputs["attention_mask"].bool()}, return_dict=False)
@@ -127,7 +123,7 @@ STEP_ASIDE = {
 def test_the_program_steps_aside(packages, encoder_state, case):
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
-    inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(3))}
+    inputs = {"input_ids": random_ids(3, seed=3)}
     with torch.no_grad():
         got = STEP_ASIDE[case](model, inputs)
         with uncompiled(model):
@@ -139,7 +135,7 @@ def test_the_program_steps_aside(packages, encoder_state, case):
 def test_autograd_training_and_hooks_take_the_eager_path(packages, encoder_state):
     model = compiled("BertImplForSequenceClassification", packages, encoder_state)
     calls = program_calls(model)
-    inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(4))}
+    inputs = {"input_ids": random_ids(2, seed=4)}
     model(**inputs).logits.sum().backward()  # autograd: gradients reach the weights
     assert model.bert.layers[0].ffn.up.weight.grad is not None and calls == []
     model.zero_grad()
@@ -183,7 +179,7 @@ UPDATES = {
 def test_changed_weights_and_modules_take_the_eager_path(packages, encoder_state, update):
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
-    inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(5))}
+    inputs = {"input_ids": random_ids(1, seed=5)}
     with torch.no_grad():
         before = model(**inputs).last_hidden_state
         UPDATES[update](model)
@@ -204,7 +200,7 @@ def test_changed_weights_and_modules_take_the_eager_path(packages, encoder_state
 def test_peft_adapters_take_the_eager_path_and_merged_weights_are_seen(packages, encoder_state):
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
-    inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(6))}
+    inputs = {"input_ids": random_ids(2, seed=6)}
     with torch.no_grad():
         before = model(**inputs).last_hidden_state
         peft_model = peft.get_peft_model(model, peft.LoraConfig(target_modules=["qkv", "up"],
@@ -223,7 +219,7 @@ def test_peft_adapters_take_the_eager_path_and_merged_weights_are_seen(packages,
 def test_bad_ids_are_named_and_the_program_still_serves(packages, encoder_state):
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
-    ids = torch.randint(1, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(7))
+    ids = random_ids(2, seed=7)
     bad = ids.clone()
     bad[1, 4] = SMALL["vocab_size"] + 5
     with torch.no_grad():
@@ -254,7 +250,7 @@ def test_packages_are_reused_and_never_written_over(packages, encoder_state, tmp
     # what a saved, copied or pickled model holds is the model's own: no program, the same outputs
     model.save_pretrained(tmp_path / "saved")
     reloaded = bi.BertImplModel.from_pretrained(tmp_path / "saved").eval()
-    ids = torch.randint(1, SMALL["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(8))
+    ids = random_ids(1, seed=8)
     with torch.no_grad():
         assert reloaded.compiled_encoder is None
         assert_same_outputs(reloaded(input_ids=ids), model(input_ids=ids))

@@ -121,6 +121,21 @@ def make_inputs(head: str, config, generator):
     return inputs, labels
 
 
+# rows and real lengths of a layout the CPU inference paths treat apart: one sequence, a dense batch, a padded batch
+LAYOUTS = {"1x9": (1, [9]), "dense 3x9": (3, [9, 9, 9]), "padded": (3, [9, 6, 4])}
+
+
+def layout_inputs(head: str, config, layout: str, generator) -> dict:
+    """`make_inputs`' inputs (no labels) cut to the layout's rows, with its real lengths in the attention mask."""
+    inputs, _ = make_inputs(head, config, generator)
+    B, lengths = LAYOUTS[layout]
+    T = inputs["input_ids"].shape[-1]
+    inputs = {k: v[:B].clone() for k, v in inputs.items()}
+    inputs["attention_mask"][..., :] = (torch.arange(T) < torch.tensor(lengths)[:, None]).long().view(
+        (B,) + (1,) * (inputs["attention_mask"].dim() - 2) + (T,))
+    return inputs
+
+
 def output_tensors(out):
     """The logits-like tensors of an output, by name (hidden states for the base model)."""
     names = ("logits", "prediction_logits", "seq_relationship_logits", "start_logits", "end_logits",

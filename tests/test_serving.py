@@ -19,7 +19,7 @@ import modeling_bert_impl.modeling_bert_impl as modeling
 from modeling_bert_impl.packed_linear import _PACKED, PackedLinear, linear
 from modeling_bert_impl.serving import optimize_for_inference
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_modeling import HEADS, SMALL, make_inputs, output_tensors  # noqa: E402
+from test_modeling import HEADS, LAYOUTS, SMALL, layout_inputs, output_tensors  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -166,9 +166,6 @@ def no_op_hook(module, args):
     return None
 
 
-LAYOUTS = {"1x9": (1, [9]), "dense 3x9": (3, [9, 9, 9]), "padded": (3, [9, 6, 4])}
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("stock_name,our_name,auto_name", HEADS, ids=[h[1] for h in HEADS])
 def test_fused_layers_equal_the_layers_for_every_head(fused_calls, stock_name, our_name, auto_name, layout):
@@ -178,12 +175,7 @@ def test_fused_layers_equal_the_layers_for_every_head(fused_calls, stock_name, o
     torch.manual_seed(0)
     config = bi.BertImplConfig(**{**SMALL, "num_labels": 2 if "Question" in our_name else 3})
     model = getattr(bi, our_name)(config).eval()
-    inputs, _ = make_inputs(stock_name, config, torch.Generator().manual_seed(1))
-    B, lengths = LAYOUTS[layout]
-    T = inputs["input_ids"].shape[-1]
-    inputs = {k: v[:B].clone() for k, v in inputs.items()}
-    inputs["attention_mask"][..., :] = (torch.arange(T) < torch.tensor(lengths)[:, None]).long().view(
-        (B,) + (1,) * (inputs["attention_mask"].dim() - 2) + (T,))
+    inputs = layout_inputs(stock_name, config, layout, torch.Generator().manual_seed(1))
     with torch.inference_mode():
         fused = model(**inputs, output_hidden_states=True)
         assert len(fused_calls) == config.num_hidden_layers
