@@ -15,6 +15,8 @@ package is not installed; `pip install bert-impl[bench]` installs them all):
   the default path); its compile time is printed with the others' set-up;
 - bert-impl int8: after `quantize_for_inference(model, calibration)` (modeling_bert_impl/quantization.py), calibrated on
   256 paragraphs of real text (`pydoc_data.topics`, as bench_encode.py), not those its accuracy is measured on;
+- bert-impl int8 compiled: that int8 model after `compile_for_inference` (its products as `torch._int_mm` in the
+  program; padded batches take the eager int8 path);
 - ORT: ONNX Runtime on an ONNX export of the stock `BertModel`, fused by ORT's transformer optimizer
   (`onnxruntime.transformers.optimizer`, model_type "bert");
 - ORT int8: that fused graph through `onnxruntime.quantization.quantize_dynamic` (int8 weights, uint8 activations
@@ -63,6 +65,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
+from torch.nn.utils.rnn import pad_sequence
 from transformers import BertForSequenceClassification, BertModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +83,7 @@ from modeling_bert_impl import (  # noqa: E402
 
 CLS, SEP = 101, 102
 THREADS = 2
-ENGINES = ["transformers", "bert-impl", "bert-impl serving", "bert-impl compiled", "bert-impl int8", "ORT", "ORT int8", "CTranslate2",
+ENGINES = ["transformers", "bert-impl", "bert-impl serving", "bert-impl compiled", "bert-impl int8", "bert-impl int8 compiled", "ORT", "ORT int8", "CTranslate2",
            "OpenVINO", "transformers + compile", "bert-impl + compile"]
 ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
 
@@ -276,6 +279,9 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
             BertImplModel.from_pretrained(model_dir), os.path.join(workdir, "bert_impl.pt2"))),
         "bert-impl int8": lambda: torch_engine(quantize_for_inference(
             BertImplModel.from_pretrained(model_dir), text_batches(model_dir, calibration_texts()))),
+        "bert-impl int8 compiled": lambda: torch_engine(compile_for_inference(quantize_for_inference(
+            BertImplModel.from_pretrained(model_dir), text_batches(model_dir, calibration_texts())),
+            os.path.join(workdir, "bert_impl_int8.pt2"))),
         "ORT": lambda: optional("ORT", "onnxruntime", lambda: ort_engine(model_dir, workdir)),
         "ORT int8": lambda: optional("ORT int8", "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=True)),
         "CTranslate2": lambda: optional("CTranslate2", "ctranslate2", lambda: ct2_engine(model_dir, workdir)),
@@ -419,9 +425,10 @@ def int8_accuracy(model_dir: str, workdir: str, classifier_dir: str | None):
     batches = text_batches(model_dir, evaluation_texts())
     calibration = text_batches(model_dir, calibration_texts())
     reference = torch_engine(BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval())
+    int8 = lambda: quantize_for_inference(BertImplModel.from_pretrained(model_dir), calibration)  # noqa: E731
     engines = {"bert-impl": torch_engine(BertImplModel.from_pretrained(model_dir).eval()),
-               "bert-impl int8": torch_engine(quantize_for_inference(BertImplModel.from_pretrained(model_dir),
-                                                                     calibration))}
+               "bert-impl int8": torch_engine(int8()),
+               "bert-impl int8 compiled": one_by_one(compile_for_inference(int8(), os.path.join(workdir, "int8.pt2")))}
     for name, int8 in (("ORT", False), ("ORT int8", True)):
         engine = optional(name, "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=int8))
         if engine is not None:
@@ -435,11 +442,27 @@ def int8_accuracy(model_dir: str, workdir: str, classifier_dir: str | None):
             pool = lambda h: (h * real[..., None]).sum(1) / real.sum(1, keepdim=True)  # noqa: E731 (mean pooling)
             sentences.append(F.cosine_similarity(pool(got), pool(e), dim=-1))
         tokens, sentences = torch.cat(tokens), torch.cat(sentences)
-        print(f"  {name:<16} per-token cosine: min {tokens.min():.4f}, 0.1% {tokens.quantile(0.001):.4f}, mean "
+        print(f"  {name:<23} per-token cosine: min {tokens.min():.4f}, 0.1% {tokens.quantile(0.001):.4f}, mean "
               f"{tokens.mean():.5f} ({len(tokens):,} tokens); mean-pooled sentence embedding: min "
               f"{sentences.min():.4f}, mean {sentences.mean():.5f}")
     if classifier_dir:
         classifier_agreement(classifier_dir, calibration)
+
+
+def one_by_one(model) -> Engine:
+    """`model` called on each sequence of a batch alone, with no padding (as a compiled program runs), its last hidden
+    states padded back to the batch's (B, T, H)."""
+    def run(inputs):
+        with torch.inference_mode():
+            return pad_sequence([model(**row).last_hidden_state[0] for row in rows(inputs)], batch_first=True)
+
+    return Engine(encoder_inputs, run, lambda hidden: hidden)
+
+
+def rows(inputs: dict) -> list[dict]:
+    """Each sequence of a padded batch alone: input_ids and token_type_ids (1, its length)."""
+    return [{k: inputs[k][i][mask.bool()][None] for k in ("input_ids", "token_type_ids")}
+            for i, mask in enumerate(inputs["attention_mask"])]
 
 
 def classifier_agreement(classifier_dir: str, calibration: list[dict]):
@@ -448,23 +471,29 @@ def classifier_agreement(classifier_dir: str, calibration: list[dict]):
     import csv
 
     fp32 = BertImplForSequenceClassification.from_pretrained(classifier_dir).eval()
-    int8 = quantize_for_inference(BertImplForSequenceClassification.from_pretrained(classifier_dir), calibration)
+    int8 = lambda: quantize_for_inference(BertImplForSequenceClassification.from_pretrained(classifier_dir),  # noqa
+                                          calibration)
+    models = {"float32": fp32, "int8": int8(), "int8 compiled": compile_for_inference(int8())}
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data",
                         "sentiment_validation.csv")
     with open(path) as f:
-        rows = list(csv.DictReader(f))
+        csv_rows = list(csv.DictReader(f))
     label_ids = {label: i for i, label in fp32.config.id2label.items()}
-    sets = {f"{len(rows)} validation sentences": ([r["sentence"] for r in rows], [label_ids[r["label"]] for r in rows]),
+    sets = {f"{len(csv_rows)} validation sentences": ([r["sentence"] for r in csv_rows],
+                                                      [label_ids[r["label"]] for r in csv_rows]),
             f"{len(evaluation_texts())} paragraphs": (evaluation_texts(), None)}
-    print(f"\nclassifier {classifier_dir}: int8's predicted labels vs float32's")
+    print(f"\nclassifier {classifier_dir}: int8's predicted labels vs float32's (int8 compiled: one text at a time)")
     for set_name, (texts, labels) in sets.items():
         batches = text_batches(classifier_dir, texts)
         with torch.inference_mode():
-            predicted = {name: torch.cat([m(**b).logits for b in batches]).argmax(-1)
-                         for name, m in (("float32", fp32), ("int8", int8))}
+            predicted = {name: torch.cat([m(**b).logits for b in batches] if name != "int8 compiled" else
+                                         [m(**row).logits for b in batches for row in rows(b)]).argmax(-1)
+                         for name, m in models.items()}
         accuracy = "" if labels is None else ", accuracy " + ", ".join(
             f"{name} {(p == torch.tensor(labels)).float().mean():.3f}" for name, p in predicted.items())
-        print(f"  {set_name}: agreement {(predicted['int8'] == predicted['float32']).float().mean():.3f}{accuracy}")
+        agreement = ", ".join(f"{name} {(predicted[name] == predicted['float32']).float().mean():.3f}"
+                              for name in models if name != "float32")
+        print(f"  {set_name}: agreement {agreement}{accuracy}")
 
 
 def summary(results: dict, engines: list, isolated: dict):

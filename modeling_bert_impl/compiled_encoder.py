@@ -7,7 +7,9 @@ the fused path (fused_layers.py). `compile_for_inference` exports the encoder's 
 (.pt2): one C++ program with the weights frozen in oneDNN's layout, the small operations fused into loops, no Python
 between them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`); the
 heads run on its outputs as before, and everything else (padded batches, hidden states or attention maps asked for,
-autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference".
+autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model
+(`quantize_for_inference`) compiles too, its products `torch._int_mm` in the program: there the program's outputs are
+those of `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's.
 
 Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores), and the
 package, loaded, holds one more copy of the encoder's weights (93 MB there). Compile once, keep the package, and load
@@ -71,7 +73,8 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     attention maps asked for, in inference (`torch.no_grad()`, eval mode), then run the encoder (embeddings, layers,
     pooler) as that program; the heads run as before. Changing the weights afterwards (training, `load_state_dict`,
     merging an adapter) sends calls back to the eager path with a warning: compile again. Replacing modules (PEFT
-    adapters, `quantize_for_inference`) or hooks on them do the same without one."""
+    adapters, `quantize_for_inference`) or hooks on them do the same without one. An int8 model compiles too:
+    `quantize_for_inference` first, then this (its int8 products run as `torch._int_mm` in the program)."""
     base = getattr(model, "base_model", model)
     if not isinstance(base, BertImplModel):
         raise ValueError(f"model: {type(model).__name__} is not a bert-impl model")
@@ -127,18 +130,18 @@ ENCODER_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attenti
 
 
 def fingerprint(base: BertImplModel) -> str:
-    """sha256 of what the program computes from: the encoder's config fields and parameters (names, shapes, values);
-    not the heads', which run outside it."""
+    """sha256 of what the program computes from: the encoder's config fields, parameters and buffers (names, shapes,
+    values: `quantize_for_inference`'s int8 weights are buffers); not the heads', which run outside it."""
     digest = hashlib.sha256(json.dumps([getattr(base.config, name) for name in ENCODER_FIELDS]).encode())
-    for name, p in base.named_parameters():
+    for name, p in [*base.named_parameters(), *base.named_buffers()]:
         digest.update(f"{name} {tuple(p.shape)}".encode())
         digest.update(p.detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
 class Changes:
-    """A count that moves with every submodule or parameter assigned to any module (torch's global registration hooks,
-    registered by the first compile) and a hook id that moves with every hook registered (each takes the next
+    """A count that moves with every submodule, parameter or buffer assigned to any module (torch's global registration
+    hooks, registered by the first compile) and a hook id that moves with every hook registered (each takes the next
     `RemovableHandle` id): while neither moves, no module tree changed and none gained a hook."""
 
     assignments, watching = 0, False
@@ -148,6 +151,7 @@ class Changes:
         if not cls.watching:
             module_hooks.register_module_module_registration_hook(cls.count)
             module_hooks.register_module_parameter_registration_hook(cls.count)
+            module_hooks.register_module_buffer_registration_hook(cls.count)
             cls.watching = True
 
     @classmethod
@@ -157,6 +161,11 @@ class Changes:
     @classmethod
     def now(cls) -> tuple[int, int]:
         return cls.assignments, RemovableHandle.next_id
+
+
+def tensor_ids(state: dict) -> tuple[int, ...]:
+    """ids of a module's own parameters and buffers, from its `__dict__`."""
+    return tuple(map(id, [*state["_parameters"].values(), *state["_buffers"].values()]))
 
 
 class CompiledEncoder:
@@ -177,11 +186,11 @@ class CompiledEncoder:
         self.positions = torch.arange(base.config.max_position_embeddings)  # (max T,)
         self.zeros = torch.zeros_like(self.positions)  # (max T,) token types where none are given
         self.one = torch.ones((), dtype=torch.int64)  # what an attention mask without padding holds
-        self.tree = [(m.__dict__, tuple(m._modules.values()), tuple(map(id, m._parameters.values())))
-                     for m in base.modules()]
+        self.tree = [(m.__dict__, tuple(m._modules.values()), tensor_ids(m.__dict__)) for m in base.modules()]
         self.changes = None  # `Changes.now()` when the tree was last found as compiled
         Changes.watch()
-        self.params = parameters(base)  # held: the ids in `tree` stay theirs
+        self.params = parameters(base)
+        self.buffers = list(base.buffers())  # held, as the parameters: the ids in `tree` stay theirs
         self.matrices = [p for p in self.params if p.dim() == 2]
         self.storage = [(p.data_ptr(), p._version) for p in self.matrices]
         self.watched = watched(self.params)  # the program compares them with its copy: its last output
@@ -244,8 +253,8 @@ class CompiledEncoder:
         return True
 
     def same_tree(self) -> bool:
-        for state, children, params in self.tree:
+        for state, children, tensors in self.tree:
             if (state["_forward_hooks"] or state["_forward_pre_hooks"] or tuple(state["_modules"].values()) != children
-                    or tuple(map(id, state["_parameters"].values())) != params):
+                    or tensor_ids(state) != tensors):
                 return False
         return True

@@ -13,8 +13,13 @@ columns multiplied by it, which needs the largest |x_c| each layer sees, from a 
 How: linear_dynamic quantizes its input with one scale per call; dividing each row by its largest |value| first makes
 that one scale a per-token one, and the row's scale multiplies the output back (`Int8Linear.forward`).
 
+Single queries and dense batches: `compile_for_inference(model)` after quantizing compiles the int8 encoder into one
+C++ program (compiled_encoder.py), whose products are `torch._int_mm` with the quantizing and rescaling fused into the
+loops around them (`Int8Linear.forward`'s traced formulation); padded batches stay on the eager kernel.
+
 Inference only (no gradient flows through an `Int8Linear`); the heads and the pooler stay float32, on the packed path.
-The float32 weights of the replaced layers are dropped: save the model before quantizing it.
+The float32 weights of the replaced layers are dropped: save the model before quantizing it. Each replaced layer holds
+its int8 weight twice (packed for the kernel, plain for `torch._int_mm`): a quarter and an eighth of its float32 size.
 """
 
 import warnings
@@ -22,6 +27,7 @@ import warnings
 import torch
 from torch import nn
 
+from .packed_linear import untraced_inference
 from .serving import optimize_for_inference
 
 ALPHA = 0.5  # SmoothQuant's migration strength: how much of an input channel's range moves into the weight
@@ -30,7 +36,15 @@ ENGINE = "onednn"
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W int8 (per output channel), x int8 per token (quantized on each call), after dividing x's
-    channels by `smooth` (and multiplying W's columns by it)."""
+    channels by `smooth` (and multiplying W's columns by it).
+
+    Two formulations of that arithmetic, one per caller: in eager inference, oneDNN's dynamic kernel
+    (`quantized.linear_dynamic` on a packed weight; it quantizes and dequantizes inside, 1.5x-3x faster than the
+    operations below one by one on a batch of 64); traced (`torch.export`, `torch.compile`, `compile_for_inference`),
+    `torch._int_mm` on the same int8 weight with the quantizing and rescaling as plain operations, which the compiler
+    fuses into the loops around it (the packed weight is an opaque object `torch.export` does not take). Both give
+    the weights' same int8 values; the activations round slightly differently (the kernel: uint8 steps over the
+    call's range of the normalized rows; traced: int8 steps of 1/127 per row)."""
 
     def __init__(self, linear: nn.Linear, input_max: torch.Tensor, alpha: float = ALPHA):
         super().__init__()
@@ -46,17 +60,24 @@ class Int8Linear(nn.Module):
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
             previous, torch.backends.quantized.engine = torch.backends.quantized.engine, ENGINE
-            try:
-                self._packed = torch.ops.quantized.linear_prepack(q, None)
+            try:  # in a tuple: torch.export refuses modules holding the packed weight's opaque object as an attribute
+                self._packed = (torch.ops.quantized.linear_prepack(q, None),)
             finally:
                 torch.backends.quantized.engine = previous
+        self.register_buffer("weight_t", q.int_repr().t().contiguous(), persistent=False)  # (in, out) int8
+        self.register_buffer("scale", scale.float(), persistent=False)  # (out,)
 
     def forward(self, x):  # (..., in) float32 -> (..., out)
         x = x * self.inv_smooth
-        # abs().amax(), not vector_norm(inf): that reduction ran 4x slower than abs + amax + div together
-        row_max = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # (..., 1)
-        y = torch.ops.quantized.linear_dynamic(x / row_max, self._packed, False)  # rows in [-1, 1]: one scale fits all
-        return torch.addcmul(self.bias, y, row_max)
+        if untraced_inference():
+            # abs().amax(), not vector_norm(inf): that reduction ran 4x slower than abs + amax + div together
+            row_max = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # (..., 1)
+            y = torch.ops.quantized.linear_dynamic(x / row_max, self._packed[0], False)  # rows in [-1, 1]: one scale
+            return torch.addcmul(self.bias, y, row_max)
+        x_scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127  # (..., 1)
+        x_int8 = torch.round(x / x_scale).to(torch.int8)
+        y = torch._int_mm(x_int8.reshape(-1, self.in_features), self.weight_t)  # (tokens, out) int32
+        return torch.addcmul(self.bias, y.view(*x.shape[:-1], self.out_features) * self.scale, x_scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

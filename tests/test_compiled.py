@@ -17,6 +17,7 @@ from pathlib import Path
 import peft
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 import modeling_bert_impl as bi
@@ -302,3 +303,36 @@ def test_sentence_transformers_and_pipelines_run_the_program_on_minilm(minilm_di
     for got, want in zip(features, stock_extractor(SENTENCES)):
         assert got.shape == torch.tensor(want[0]).shape
         assert (got - torch.tensor(want[0])).abs().max().item() < 1e-5
+
+
+def int8_model(encoder_state, seed: int):
+    """The SMALL encoder quantized by `quantize_for_inference`, calibrated on random ids (the seed picks them)."""
+    model = bi.BertImplModel(bi.BertImplConfig(**SMALL))
+    model.load_state_dict(encoder_state)
+    return bi.quantize_for_inference(model, [{"input_ids": random_ids(8, seed)}])
+
+
+def test_an_int8_model_compiles(encoder_state, tmp_path):
+    """quantize_for_inference, then compile_for_inference: the program runs the int8 products as the traced
+    formulation of `Int8Linear` does (`torch._int_mm`; the eager path takes it where gradients are on), padded batches
+    take the eager int8 path, and another calibration's int8 weights are refused the package."""
+    path = tmp_path / "int8.pt2"
+    model = bi.compile_for_inference(int8_model(encoder_state, seed=10), path)
+    calls = program_calls(model)
+    ids = random_ids(3, seed=11)
+    padded = torch.ones_like(ids)
+    padded[1, 6:] = 0
+    with torch.no_grad():
+        got = model(input_ids=ids)
+        got_padded = model(input_ids=ids, attention_mask=padded)
+        expected_padded = eager(model, input_ids=ids, attention_mask=padded)
+        with torch.enable_grad():  # the traced formulation, eagerly
+            expected = eager(model, input_ids=ids)
+        kernel = eager(model, input_ids=ids)  # oneDNN's dynamic kernel
+    assert len(calls) == 1
+    assert_same_outputs(got_padded, expected_padded)
+    # the program's products are the traced formulation's (2e-7 apart); the kernel's rounding and float32 are 1e-4 away
+    assert_same_outputs(got, type(expected)(**{k: v.detach() for k, v in expected.items()}))
+    assert F.cosine_similarity(got.last_hidden_state, kernel.last_hidden_state, dim=-1).min() > 0.99
+    with pytest.raises(ValueError, match="another model or weights"):
+        bi.compile_for_inference(int8_model(encoder_state, seed=12), path)

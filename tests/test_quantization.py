@@ -4,6 +4,7 @@ on the int8 encoder, and bad calibration is refused."""
 import copy
 import random
 import re
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -32,17 +33,22 @@ def text(minilm_dir):
     return encode(paragraphs[64:128]), encode(paragraphs[:64])
 
 
-def test_int8_embeddings_within_cosine_099_of_float32(minilm_dir, text):
+@pytest.mark.parametrize("formulation", ["kernel", "traced"])
+def test_int8_embeddings_within_cosine_099_of_float32(minilm_dir, text, formulation):
+    """Both of Int8Linear's formulations: oneDNN's dynamic kernel (eager inference) and the one traced programs run
+    (`torch._int_mm`, compile_for_inference's), which the eager path takes where gradients are on."""
     calibration, evaluation = text
     fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
     int8 = quantize_for_inference(copy.deepcopy(fp32), calibration)
     assert sum(isinstance(m, Int8Linear) for m in int8.modules()) == 4 * fp32.config.num_hidden_layers
     cosines = []
-    with torch.inference_mode():
-        for batch in evaluation:
-            real = batch["attention_mask"].bool()
-            expected, got = fp32(**batch).last_hidden_state[real], int8(**batch).last_hidden_state[real]
-            cosines.append(F.cosine_similarity(got, expected, dim=-1))
+    for batch in evaluation:
+        real = batch["attention_mask"].bool()
+        with torch.no_grad():
+            expected = fp32(**batch).last_hidden_state[real]
+            with torch.enable_grad() if formulation == "traced" else nullcontext():
+                got = int8(**batch).last_hidden_state[real].detach()
+        cosines.append(F.cosine_similarity(got, expected, dim=-1))
     cosines = torch.cat(cosines)
     assert cosines.min() >= 0.99, cosines.min()  # per token, on real text (0.993 measured)
     assert cosines.mean() >= 0.997, cosines.mean()
