@@ -15,7 +15,7 @@ package is not installed; `pip install bert-impl[bench]` installs them all):
   the default path); its compile time is printed with the others' set-up;
 - bert-impl int8: after `quantize_for_inference(model, calibration)` (modeling_bert_impl/quantization.py), calibrated on
   256 paragraphs of real text (`pydoc_data.topics`, as bench_encode.py), not those its accuracy is measured on;
-- bert-impl int8 compiled: that int8 model after `compile_for_inference` (its products as `torch._int_mm` in the
+- bert-impl int8 compiled: that int8 model after `compile_for_inference` (its products oneDNN's int8 ones in the
   program; padded batches take the eager int8 path);
 - ORT: ONNX Runtime on an ONNX export of the stock `BertModel`, fused by ORT's transformer optimizer
   (`onnxruntime.transformers.optimizer`, model_type "bert");

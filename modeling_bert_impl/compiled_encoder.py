@@ -8,7 +8,7 @@ the fused path (fused_layers.py). `compile_for_inference` exports the encoder's 
 between them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`); the
 heads run on its outputs as before, and everything else (padded batches, hidden states or attention maps asked for,
 autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model
-(`quantize_for_inference`) compiles too, its products `torch._int_mm` in the program: there the program's outputs are
+(`quantize_for_inference`) compiles too, its products oneDNN's int8 ones in the program: there the program's outputs are
 those of `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's.
 
 Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores), and the
@@ -74,7 +74,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     pooler) as that program; the heads run as before. Changing the weights afterwards (training, `load_state_dict`,
     merging an adapter) sends calls back to the eager path with a warning: compile again. Replacing modules (PEFT
     adapters, `quantize_for_inference`) or hooks on them do the same without one. An int8 model compiles too:
-    `quantize_for_inference` first, then this (its int8 products run as `torch._int_mm` in the program)."""
+    `quantize_for_inference` first, then this (the program runs `Int8Linear`'s traced formulation)."""
     base = getattr(model, "base_model", model)
     if not isinstance(base, BertImplModel):
         raise ValueError(f"model: {type(model).__name__} is not a bert-impl model")

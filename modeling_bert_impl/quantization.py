@@ -14,22 +14,27 @@ How: linear_dynamic quantizes its input with one scale per call; dividing each r
 that one scale a per-token one, and the row's scale multiplies the output back (`Int8Linear.forward`).
 
 Single queries and dense batches: `compile_for_inference(model)` after quantizing compiles the int8 encoder into one
-C++ program (compiled_encoder.py), whose products are `torch._int_mm` with the quantizing and rescaling fused into the
-loops around them (`Int8Linear.forward`'s traced formulation); padded batches stay on the eager kernel.
+C++ program (compiled_encoder.py), whose products are oneDNN's int8 ones on weights packed at compile time, with the
+quantizing and rescaling fused into the loops around them (`Int8Linear.forward`'s traced formulation); padded batches
+stay on the eager kernel.
 
 Inference only (no gradient flows through an `Int8Linear`); the heads and the pooler stay float32, on the packed path.
 The float32 weights of the replaced layers are dropped: save the model before quantizing it. Each replaced layer holds
-its int8 weight twice (packed for the kernel, plain for `torch._int_mm`): a quarter and an eighth of its float32 size.
+its int8 weight twice (packed for the kernel, plain for tracing): half the float32 weight's size in all.
 """
 
 import warnings
 
 import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.quantized_decomposed)
+import torch.nn.functional as F
 from torch import nn
 
 from .packed_linear import untraced_inference
 from .serving import optimize_for_inference
 
+DECOMPOSED = torch.ops.quantized_decomposed
+ROWS_UINT8 = (1 / 127, 128, 0, 255, torch.uint8)  # scale, zero point, range, dtype: [-1, 1] in 255 steps
 ALPHA = 0.5  # SmoothQuant's migration strength: how much of an input channel's range moves into the weight
 ENGINE = "onednn"
 
@@ -38,13 +43,13 @@ class Int8Linear(nn.Module):
     """y = x W^T + b with W int8 (per output channel), x int8 per token (quantized on each call), after dividing x's
     channels by `smooth` (and multiplying W's columns by it).
 
-    Two formulations of that arithmetic, one per caller: in eager inference, oneDNN's dynamic kernel
-    (`quantized.linear_dynamic` on a packed weight; it quantizes and dequantizes inside, 1.5x-3x faster than the
-    operations below one by one on a batch of 64); traced (`torch.export`, `torch.compile`, `compile_for_inference`),
-    `torch._int_mm` on the same int8 weight with the quantizing and rescaling as plain operations, which the compiler
-    fuses into the loops around it (the packed weight is an opaque object `torch.export` does not take). Both give
-    the weights' same int8 values; the activations round slightly differently (the kernel: uint8 steps over the
-    call's range of the normalized rows; traced: int8 steps of 1/127 per row)."""
+    Two formulations of the product, one per caller: in eager inference, oneDNN's dynamic kernel
+    (`quantized.linear_dynamic` on a packed weight; it quantizes and dequantizes inside, the fastest eager route);
+    traced (`torch.export`, `torch.compile`, `compile_for_inference`), the rows quantized to uint8 and the weight
+    dequantized as `quantized_decomposed` operations around a float product: the pattern PyTorch's own int8 programs
+    have, which inductor turns into oneDNN's int8 product on a weight packed at compile time (the packed weight of the
+    eager kernel is an opaque object `torch.export` refuses). Both use the same int8 weight; the activations round
+    slightly differently (the kernel: uint8 steps over the call's range; traced: steps of 1/127)."""
 
     def __init__(self, linear: nn.Linear, input_max: torch.Tensor, alpha: float = ALPHA):
         super().__init__()
@@ -64,20 +69,23 @@ class Int8Linear(nn.Module):
                 self._packed = (torch.ops.quantized.linear_prepack(q, None),)
             finally:
                 torch.backends.quantized.engine = previous
-        self.register_buffer("weight_t", q.int_repr().t().contiguous(), persistent=False)  # (in, out) int8
+        self.register_buffer("weight_int8", q.int_repr(), persistent=False)  # (out, in)
         self.register_buffer("scale", scale.float(), persistent=False)  # (out,)
+        self.register_buffer("zero_point", torch.zeros_like(scale, dtype=torch.long), persistent=False)  # (out,)
 
     def forward(self, x):  # (..., in) float32 -> (..., out)
         x = x * self.inv_smooth
+        # abs().amax(), not vector_norm(inf): that reduction ran 4x slower than abs + amax + div together
+        row_max = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # (..., 1)
+        x = x / row_max  # rows in [-1, 1]: one scale per call fits every token
         if untraced_inference():
-            # abs().amax(), not vector_norm(inf): that reduction ran 4x slower than abs + amax + div together
-            row_max = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # (..., 1)
-            y = torch.ops.quantized.linear_dynamic(x / row_max, self._packed[0], False)  # rows in [-1, 1]: one scale
-            return torch.addcmul(self.bias, y, row_max)
-        x_scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127  # (..., 1)
-        x_int8 = torch.round(x / x_scale).to(torch.int8)
-        y = torch._int_mm(x_int8.reshape(-1, self.in_features), self.weight_t)  # (tokens, out) int32
-        return torch.addcmul(self.bias, y.view(*x.shape[:-1], self.out_features) * self.scale, x_scale)
+            y = torch.ops.quantized.linear_dynamic(x, self._packed[0], False)
+        else:
+            x = DECOMPOSED.dequantize_per_tensor(DECOMPOSED.quantize_per_tensor(x, *ROWS_UINT8), *ROWS_UINT8)
+            w = DECOMPOSED.dequantize_per_channel(self.weight_int8, self.scale, self.zero_point, 0, -128, 127,
+                                                  torch.int8)
+            y = F.linear(x, w)
+        return torch.addcmul(self.bias, y, row_max)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

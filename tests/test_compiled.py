@@ -314,8 +314,8 @@ def int8_model(encoder_state, seed: int):
 
 def test_an_int8_model_compiles(encoder_state, tmp_path):
     """quantize_for_inference, then compile_for_inference: the program runs the int8 products as the traced
-    formulation of `Int8Linear` does (`torch._int_mm`; the eager path takes it where gradients are on), padded batches
-    take the eager int8 path, and another calibration's int8 weights are refused the package."""
+    formulation of `Int8Linear` does (`quantized_decomposed`; the eager path takes it where gradients are on), padded
+    batches take the eager int8 path, and another calibration's int8 weights are refused the package."""
     path = tmp_path / "int8.pt2"
     model = bi.compile_for_inference(int8_model(encoder_state, seed=10), path)
     calls = program_calls(model)
