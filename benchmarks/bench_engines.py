@@ -83,8 +83,9 @@ from modeling_bert_impl import (  # noqa: E402
 
 CLS, SEP = 101, 102
 THREADS = 2
-ENGINES = ["transformers", "bert-impl", "bert-impl serving", "bert-impl compiled", "bert-impl int8", "bert-impl int8 compiled", "ORT", "ORT int8", "CTranslate2",
-           "OpenVINO", "transformers + compile", "bert-impl + compile"]
+ENGINES = ["transformers", "bert-impl", "bert-impl serving", "bert-impl compiled", "bert-impl int8",
+           "bert-impl int8 compiled", "ORT", "ORT int8", "CTranslate2", "OpenVINO", "transformers + compile",
+           "bert-impl + compile"]
 ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
 
 
