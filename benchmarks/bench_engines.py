@@ -217,6 +217,11 @@ def ort_engine(model_dir: str, workdir: str, int8: bool = False) -> Engine:
                   lambda out: torch.from_numpy(out))
 
 
+def int8_model(cls, model_dir: str, calibration: list[dict]):
+    """`cls` (a bert-impl model class) from `model_dir`, made int8 by `quantize_for_inference` on `calibration`."""
+    return quantize_for_inference(cls.from_pretrained(model_dir), calibration)
+
+
 def text_batches(model_dir: str, texts: list[str], batch_size: int = 64) -> list[dict]:
     """Tokenized batches of real text, padded to each batch's longest, at most 256 tokens."""
     from transformers import AutoTokenizer
@@ -279,17 +284,16 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
     ref = BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
     ours = BertImplModel.from_pretrained(model_dir).eval()
     serving = optimize_for_inference(BertImplModel.from_pretrained(model_dir).eval())
+    calibration = lambda: text_batches(model_dir, calibration_texts())  # noqa: E731 (tokenized by the int8 rows)
     builders = {
         "transformers": lambda: torch_engine(ref),
         "bert-impl": lambda: torch_engine(ours),
         "bert-impl serving": lambda: torch_engine(serving),
         "bert-impl compiled": lambda: torch_engine(compile_for_inference(
             BertImplModel.from_pretrained(model_dir), os.path.join(workdir, "bert_impl.pt2"))),
-        "bert-impl int8": lambda: torch_engine(quantize_for_inference(
-            BertImplModel.from_pretrained(model_dir), text_batches(model_dir, calibration_texts()))),
-        "bert-impl int8 compiled": lambda: torch_engine(compile_for_inference(quantize_for_inference(
-            BertImplModel.from_pretrained(model_dir), text_batches(model_dir, calibration_texts())),
-            os.path.join(workdir, "bert_impl_int8.pt2"))),
+        "bert-impl int8": lambda: torch_engine(int8_model(BertImplModel, model_dir, calibration())),
+        "bert-impl int8 compiled": lambda: torch_engine(compile_for_inference(
+            int8_model(BertImplModel, model_dir, calibration()), os.path.join(workdir, "bert_impl_int8.pt2"))),
         "ORT": lambda: optional("ORT", "onnxruntime", lambda: ort_engine(model_dir, workdir)),
         "ORT int8": lambda: optional("ORT int8", "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=True)),
         "CTranslate2": lambda: optional("CTranslate2", "ctranslate2", lambda: ct2_engine(model_dir, workdir)),
@@ -433,10 +437,10 @@ def int8_accuracy(model_dir: str, workdir: str, classifier_dir: str | None):
     batches = text_batches(model_dir, evaluation_texts())
     calibration = text_batches(model_dir, calibration_texts())
     reference = torch_engine(BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval())
-    int8 = lambda: quantize_for_inference(BertImplModel.from_pretrained(model_dir), calibration)  # noqa: E731
     engines = {"bert-impl": torch_engine(BertImplModel.from_pretrained(model_dir).eval()),
-               "bert-impl int8": torch_engine(int8()),
-               "bert-impl int8 compiled": one_by_one(compile_for_inference(int8(), os.path.join(workdir, "int8.pt2")))}
+               "bert-impl int8": torch_engine(int8_model(BertImplModel, model_dir, calibration)),
+               "bert-impl int8 compiled": one_by_one(compile_for_inference(
+                   int8_model(BertImplModel, model_dir, calibration), os.path.join(workdir, "int8.pt2")))}
     for name, int8 in (("ORT", False), ("ORT int8", True)):
         engine = optional(name, "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=int8))
         if engine is not None:
@@ -454,7 +458,7 @@ def int8_accuracy(model_dir: str, workdir: str, classifier_dir: str | None):
               f"{tokens.mean():.5f} ({len(tokens):,} tokens); mean-pooled sentence embedding: min "
               f"{sentences.min():.4f}, mean {sentences.mean():.5f}")
     if classifier_dir:
-        classifier_agreement(classifier_dir, calibration)
+        classifier_agreement(classifier_dir, calibration, workdir)
 
 
 def one_by_one(model) -> Engine:
@@ -473,15 +477,15 @@ def rows(inputs: dict) -> list[dict]:
             for i, mask in enumerate(inputs["attention_mask"])]
 
 
-def classifier_agreement(classifier_dir: str, calibration: list[dict]):
+def classifier_agreement(classifier_dir: str, calibration: list[dict], workdir: str):
     """Predicted labels of the int8 classifier against the float32 one, on examples/data's validation sentences
     (with its accuracy there) and on the evaluation paragraphs."""
     import csv
 
     fp32 = BertImplForSequenceClassification.from_pretrained(classifier_dir).eval()
-    int8 = lambda: quantize_for_inference(BertImplForSequenceClassification.from_pretrained(classifier_dir),  # noqa
-                                          calibration)
-    models = {"float32": fp32, "int8": int8(), "int8 compiled": compile_for_inference(int8())}
+    int8 = [int8_model(BertImplForSequenceClassification, classifier_dir, calibration) for _ in range(2)]
+    models = {"float32": fp32, "int8": int8[0],
+              "int8 compiled": compile_for_inference(int8[1], os.path.join(workdir, "classifier_int8.pt2"))}
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data",
                         "sentiment_validation.csv")
     with open(path) as f:
@@ -508,7 +512,8 @@ QA_PEOPLE = ["John", "Mary", "Peter", "Anna", "David", "Laura", "Michael", "Sara
              "Thomas", "Julia", "Daniel", "Nora"]
 QA_CITIES = ["Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "Vienna", "Dublin", "Oslo", "Lisbon", "Cairo",
              "Lima", "Prague", "Warsaw", "Athens", "Seoul"]
-QA_FACTS = {"lives": ("{p} lives in {c}.", "Where does {p} live?"), "works": ("{p} works in {c}.", "Where does {p} work?"),
+QA_FACTS = {"lives": ("{p} lives in {c}.", "Where does {p} live?"),
+            "works": ("{p} works in {c}.", "Where does {p} work?"),
             "born": ("{p} was born in {c}.", "Where was {p} born?")}
 
 
@@ -562,9 +567,9 @@ def qa_agreement(model_dir: str, workdir: str):
     calibration = [dict(tokenizer([q for q, _ in train[i:i + 32]], [c for _, c in train[i:i + 32]], padding=True,
                                   truncation="only_second", max_length=128, return_tensors="pt"))
                    for i in range(0, 256, 32)]
-    int8 = lambda: quantize_for_inference(BertImplForQuestionAnswering.from_pretrained(out), calibration)  # noqa
-    models = {"float32": (BertImplForQuestionAnswering.from_pretrained(out).eval(), 32), "int8": (int8(), 32),
-              "int8 compiled": (compile_for_inference(int8(), os.path.join(workdir, "qa_int8.pt2")), 1)}
+    int8 = [int8_model(BertImplForQuestionAnswering, out, calibration) for _ in range(2)]
+    models = {"float32": (BertImplForQuestionAnswering.from_pretrained(out).eval(), 32), "int8": (int8[0], 32),
+              "int8 compiled": (compile_for_inference(int8[1], os.path.join(workdir, "qa_int8.pt2")), 1)}
     with open(files["dev"]) as f:
         dev = [(p["qas"][0]["question"], p["context"], p["qas"][0]["answers"][0]["text"])
                for a in json.load(f)["data"] for p in a["paragraphs"]]
