@@ -11,12 +11,12 @@ package is not installed; `pip install bert-impl[bench]` installs them all):
   linear layers of modeling_bert_impl/packed_linear.py with no opting in);
 - bert-impl serving: the same after `optimize_for_inference(model)` (modeling_bert_impl/serving.py);
 - bert-impl compiled: after `compile_for_inference(model, path)` (modeling_bert_impl/compiled_encoder.py): the
-  no-padding forward compiled ahead of time by AOTInductor (batch 1 and the dense batch run it; padded batches take
-  the default path); its compile time is printed with the others' set-up;
+  forward compiled ahead of time by AOTInductor (padded batches run it once per group of similar lengths); its compile
+  time is printed with the others' set-up;
 - bert-impl int8: after `quantize_for_inference(model, calibration)` (modeling_bert_impl/quantization.py), calibrated on
   256 paragraphs of real text (`pydoc_data.topics`, as bench_encode.py), not those its accuracy is measured on;
 - bert-impl int8 compiled: that int8 model after `compile_for_inference` (its products oneDNN's int8 ones in the
-  program; padded batches take the eager int8 path);
+  program);
 - ORT: ONNX Runtime on an ONNX export of the stock `BertModel`, fused by ORT's transformer optimizer
   (`onnxruntime.transformers.optimizer`, model_type "bert");
 - ORT int8: that fused graph through `onnxruntime.quantization.quantize_dynamic` (int8 weights, uint8 activations
@@ -71,7 +71,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
-from torch.nn.utils.rnn import pad_sequence
 from transformers import BertForSequenceClassification, BertModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -439,7 +438,7 @@ def int8_accuracy(model_dir: str, workdir: str, classifier_dir: str | None):
     reference = torch_engine(BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval())
     engines = {"bert-impl": torch_engine(BertImplModel.from_pretrained(model_dir).eval()),
                "bert-impl int8": torch_engine(int8_model(BertImplModel, model_dir, calibration)),
-               "bert-impl int8 compiled": one_by_one(compile_for_inference(
+               "bert-impl int8 compiled": torch_engine(compile_for_inference(
                    int8_model(BertImplModel, model_dir, calibration), os.path.join(workdir, "int8.pt2")))}
     for name, int8 in (("ORT", False), ("ORT int8", True)):
         engine = optional(name, "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=int8))
@@ -461,22 +460,6 @@ def int8_accuracy(model_dir: str, workdir: str, classifier_dir: str | None):
         classifier_agreement(classifier_dir, calibration, workdir)
 
 
-def one_by_one(model) -> Engine:
-    """`model` called on each sequence of a batch alone, with no padding (as a compiled program runs), its last hidden
-    states padded back to the batch's (B, T, H)."""
-    def run(inputs):
-        with torch.inference_mode():
-            return pad_sequence([model(**row).last_hidden_state[0] for row in rows(inputs)], batch_first=True)
-
-    return Engine(encoder_inputs, run, lambda hidden: hidden)
-
-
-def rows(inputs: dict) -> list[dict]:
-    """Each sequence of a padded batch alone: input_ids and token_type_ids (1, its length)."""
-    return [{k: inputs[k][i][mask.bool()][None] for k in ("input_ids", "token_type_ids")}
-            for i, mask in enumerate(inputs["attention_mask"])]
-
-
 def classifier_agreement(classifier_dir: str, calibration: list[dict], workdir: str):
     """Predicted labels of the int8 classifier against the float32 one, on examples/data's validation sentences
     (with its accuracy there) and on the evaluation paragraphs."""
@@ -494,13 +477,11 @@ def classifier_agreement(classifier_dir: str, calibration: list[dict], workdir: 
     sets = {f"{len(csv_rows)} validation sentences": ([r["sentence"] for r in csv_rows],
                                                       [label_ids[r["label"]] for r in csv_rows]),
             f"{len(evaluation_texts())} paragraphs": (evaluation_texts(), None)}
-    print(f"\nclassifier {classifier_dir}: int8's predicted labels vs float32's (int8 compiled: one text at a time)")
+    print(f"\nclassifier {classifier_dir}: int8's predicted labels vs float32's")
     for set_name, (texts, labels) in sets.items():
         batches = text_batches(classifier_dir, texts)
         with torch.inference_mode():
-            predicted = {name: torch.cat([m(**b).logits for b in batches] if name != "int8 compiled" else
-                                         [m(**row).logits for b in batches for row in rows(b)]).argmax(-1)
-                         for name, m in models.items()}
+            predicted = {name: torch.cat([m(**b).logits for b in batches]).argmax(-1) for name, m in models.items()}
         accuracy = "" if labels is None else ", accuracy " + ", ".join(
             f"{name} {(p == torch.tensor(labels)).float().mean():.3f}" for name, p in predicted.items())
         agreement = ", ".join(f"{name} {(predicted[name] == predicted['float32']).float().mean():.3f}"
@@ -538,7 +519,7 @@ def qa_articles(rng: random.Random, count: int, sentences: list[str]) -> dict:
 
 def qa_agreement(model_dir: str, workdir: str):
     """A question-answering head fine-tuned by recipes/run_qa.py on synthetic SQuAD data (`qa_articles`: 1200
-    questions, 3 epochs), then float32, int8 and int8 compiled (one window at a time) answer 300 held-out questions:
+    questions, 3 epochs), then float32, int8 and int8 compiled answer 300 held-out questions:
     exact match with the gold answer, and agreement of each int8 answer with float32's."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
     import run_qa
@@ -568,15 +549,15 @@ def qa_agreement(model_dir: str, workdir: str):
                                   truncation="only_second", max_length=128, return_tensors="pt"))
                    for i in range(0, 256, 32)]
     int8 = [int8_model(BertImplForQuestionAnswering, out, calibration) for _ in range(2)]
-    models = {"float32": (BertImplForQuestionAnswering.from_pretrained(out).eval(), 32), "int8": (int8[0], 32),
-              "int8 compiled": (compile_for_inference(int8[1], os.path.join(workdir, "qa_int8.pt2")), 1)}
+    models = {"float32": BertImplForQuestionAnswering.from_pretrained(out).eval(), "int8": int8[0],
+              "int8 compiled": compile_for_inference(int8[1], os.path.join(workdir, "qa_int8.pt2"))}
     with open(files["dev"]) as f:
         dev = [(p["qas"][0]["question"], p["context"], p["qas"][0]["answers"][0]["text"])
                for a in json.load(f)["data"] for p in a["paragraphs"]]
     questions, contexts, gold = zip(*dev)
     answers = {name: [a["answer"] for a in answer_questions(model, tokenizer, list(questions), list(contexts),
-                                                           max_seq_length=128, doc_stride=32, batch_size=batch)]
-               for name, (model, batch) in models.items()}  # batch 1: each window alone, as the program runs it
+                                                           max_seq_length=128, doc_stride=32)]
+               for name, model in models.items()}
     for name, got in answers.items():
         exact = sum(a == g for a, g in zip(got, gold)) / len(gold)
         agree = sum(a == f for a, f in zip(got, answers["float32"])) / len(gold)

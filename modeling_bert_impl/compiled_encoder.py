@@ -2,12 +2,14 @@
 
 A single short query is where eager PyTorch loses to ONNX Runtime: at batch 1 x 16 tokens all-MiniLM-L6-v2's 24
 products take 2.9 ms, and the dozen other operations of each layer, each dispatched from Python, add 2 ms more even on
-the fused path (fused_layers.py). `compile_for_inference` exports the encoder's forward on a batch with no padding
-(`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a package
-(.pt2): one C++ program with the weights frozen in oneDNN's layout, the small operations fused into loops, no Python
-between them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`); the
-heads run on its outputs as before, and everything else (padded batches, hidden states or attention maps asked for,
-autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model
+the fused path (fused_layers.py). `compile_for_inference` exports the encoder's forward on a batch and its attention
+mask (`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a
+package (.pt2): one C++ program with the weights frozen in oneDNN's layout, the small operations fused into loops, no
+Python between them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`):
+a batch without padding in one run; a padded one as the eager path lays it out (bert_padding.py), its sequences sorted
+by length and cut into groups padded to their longest, one run per group, so that the products skip nearly all the
+padding. The heads run on its outputs as before, and everything else (hidden states or attention maps asked for,
+packed batches, autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model
 (`quantize_for_inference`) compiles too, its products oneDNN's int8 ones in the program: there the program's outputs are
 those of `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's.
 
@@ -28,11 +30,12 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
+from .bert_padding import UnpaddedLayout
 from .fused_layers import UNMASKED_ATTENTION
 from .modeling_bert_impl import BertImplModel
 from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
 
-FORMAT = "bert-impl compiled model 2"  # what the package's metadata says it holds; a new layout gets a new number
+FORMAT = "bert-impl compiled model 3"  # what the package's metadata says it holds; a new layout gets a new number
 
 
 def parameters(base: BertImplModel) -> list[torch.Tensor]:
@@ -48,8 +51,8 @@ def watched(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p for p in params if p.dim() == 1] + [p.detach()[len(p) // 2, :PROBE_WIDTH] for p in params if p.dim() == 2]
 
 
-class NoPadding(nn.Module):
-    """What the program computes: the model on a batch with no padding (B, T) ids -> last hidden state (B, T, H),
+class Program(nn.Module):
+    """What the program computes: the model on a batch (B, T) of ids and attention mask -> last hidden state (B, T, H),
     with a pooler the pooled output (B, H), and whether `watched` equals its compile-time values (a 0-d bool)."""
 
     def __init__(self, base: BertImplModel):
@@ -57,9 +60,9 @@ class NoPadding(nn.Module):
         self.base = base
         self.register_buffer("watched_values", torch.cat(watched(parameters(base))).clone())
 
-    def forward(self, input_ids, token_type_ids, position_ids, watched_now: list[torch.Tensor]):
-        outputs = self.base(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
-                            return_dict=False)
+    def forward(self, input_ids, attention_mask, token_type_ids, position_ids, watched_now: list[torch.Tensor]):
+        outputs = self.base(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                            position_ids=position_ids, return_dict=False)
         return *outputs, torch.eq(torch.cat(watched_now), self.watched_values).all()
 
 
@@ -69,9 +72,9 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
 
     `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it was compiled
     from the same weights by the same torch (else a ValueError says what differs); None compiles into a temporary
-    file. Calls with `input_ids` and no padding (batch 1, dense batches, at least 2 tokens), no hidden states or
-    attention maps asked for, in inference (`torch.no_grad()`, eval mode), then run the encoder (embeddings, layers,
-    pooler) as that program; the heads run as before. Changing the weights afterwards (training, `load_state_dict`,
+    file. Calls with `input_ids` (batch 1, dense or padded batches, at least 2 tokens), no hidden states or attention
+    maps asked for, in inference (`torch.no_grad()`, eval mode), then run the encoder (embeddings, layers, pooler) as
+    that program (a padded batch once per group of sequences of similar length); the heads run as before. Changing the weights afterwards (training, `load_state_dict`,
     merging an adapter) sends calls back to the eager path with a warning: compile again. Replacing modules (PEFT
     adapters, `quantize_for_inference`) or hooks on them do the same without one. An int8 model compiles too:
     `quantize_for_inference` first, then this (the program runs `Int8Linear`'s traced formulation)."""
@@ -108,15 +111,18 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
 
 
 def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str]):
-    """Export the no-padding forward with batch and length dynamic, compile it with AOTInductor (weights frozen in
-    oneDNN's layout), write the package and load it."""
-    ids = torch.ones(2, 8, dtype=torch.long)  # (B, T) an example; the program takes any B >= 1, 2 <= T <= positions
+    """Export the forward with batch and length dynamic, compile it with AOTInductor (weights frozen in oneDNN's
+    layout), write the package and load it."""
+    # (B, T) an example; the program takes any B >= 1, 2 <= T <= positions. Contiguous, as the program's inputs will be:
+    # AOTInductor compiles for the example's strides (positions expanded over the batch would be read from row 0 only).
+    ids = torch.ones(2, 8, dtype=torch.long)
+    example = (ids, torch.ones_like(ids), torch.zeros_like(ids), torch.arange(8).repeat(2, 1),
+               [t.clone() for t in watched(parameters(base))])
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
-    example = (ids, torch.zeros_like(ids), torch.arange(8).expand(2, 8), [t.clone() for t in watched(parameters(base))])
     with torch.no_grad():
-        program = torch.export.export(NoPadding(base), example,
-                                      dynamic_shapes=({0: batch, 1: length},) * 3 + ([None] * len(example[3]),))
+        program = torch.export.export(Program(base), example,
+                                      dynamic_shapes=({0: batch, 1: length},) * 4 + ([None] * len(example[4]),))
         written = torch._inductor.aoti_compile_and_package(
             program, package_path=package_path,
             inductor_configs={"freezing": True, "aot_inductor.metadata": metadata},
@@ -197,8 +203,8 @@ class CompiledEncoder:
         self.stale = False  # weights changed since the compile: the eager path from then on
 
     def __call__(self, input_ids, attention_mask, token_type_ids, position_ids) -> list | None:
-        """[last hidden state (B, T, H), pooled output (B, H) where the model pools] for a batch with no padding, or
-        None where the program may not stand in for the model."""
+        """[last hidden state (B, T, H), pooled output (B, H) where the model pools], or None where the program may not
+        stand in for the model."""
         if input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu" or not untraced_inference():
             return None
         B, T = input_ids.shape
@@ -214,17 +220,52 @@ class CompiledEncoder:
                 or any(t.dtype != torch.int64 or t.device.type != "cpu" for t in ids)
                 or global_hooks() or not self.same_modules()):
             return None
-        mask = attention_mask
-        if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"
-                                 or not torch.equal(mask, self.one.to(mask.dtype).expand(B, T))):
-            return None  # padding (or a mask value the eager path refuses)
         if self.stale or [(p.data_ptr(), p._version) for p in self.matrices] != self.storage:
             return self.changed()
+        ids = [t.expand(B, T) for t in ids]
+        mask = attention_mask
+        if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"):
+            return None
+        if mask is None or torch.equal(mask, self.one.to(mask.dtype).expand(B, T)):
+            return self.program(*ids, torch.ones(B, T, dtype=torch.int64))
+        real = mask != 0  # (B, T)
+        if not torch.equal(mask, real.to(mask.dtype)) or not real.any(-1).all():
+            return None  # a mask value the eager path refuses, or a row of padding only: the eager path
+        return self.padded(ids, real)
+
+    def program(self, input_ids, token_type_ids, position_ids, mask) -> list | None:
+        """The program on (B, T) inputs; None where it may not answer (its range check failed, weights changed)."""
         try:
-            *outputs, same = self.run([*(t.expand(B, T).contiguous() for t in ids), *self.watched])
+            *outputs, same = self.run([input_ids.contiguous(), mask, token_type_ids.contiguous(),
+                                       position_ids.contiguous(), *self.watched])
         except RuntimeError:  # its range check of the ids failed: the eager path says which
             return None
         return outputs if same else self.changed()
+
+    def padded(self, ids: list[torch.Tensor], real: torch.Tensor) -> list | None:
+        """A padded batch (B, T), `real` its tokens, by groups: the sequences, sorted by length, cut into groups padded
+        to their longest (the encoder's CPU layout, bert_padding.py), the program run on each group (s_g, T_g), the
+        outputs put back in place, zeros at padding, as the eager path gives them."""
+        B, T = real.shape
+        layout = UnpaddedLayout.build(real, None, (B, T), int(real.sum()), None, torch.float32, real.device,
+                                      bucketed=True)
+        rows = [layout.unpad(t) for t in ids]  # each (P,)
+        rows_real = (layout.attention.key_mask == 0).long()  # (P,) 1 on the rows that hold a real token
+        hidden, pooled, first, start = [], [], [], 0
+        for s, t, _ in layout.attention.shapes:
+            group = slice(start, start + s * t)
+            outputs = self.program(*(r[group].view(s, t) for r in rows), rows_real[group].view(s, t))
+            if outputs is None:
+                return None
+            hidden.append(outputs[0].flatten(0, 1))  # (s_g * T_g, H)
+            pooled += outputs[1:]  # (s_g, H) where the model pools: each sequence's first row is its first token
+            first.append(torch.arange(start, start + s * t, t))  # (s_g,) the rows that start a sequence
+            start += s * t
+        outputs = [layout.repad(torch.cat(hidden))]  # (B, T, H)
+        if pooled:  # (B, H) in the groups' order -> the batch's
+            pooled, sequence = torch.cat(pooled), layout.grid[torch.cat(first)] // T
+            outputs.append(torch.empty_like(pooled).index_copy_(0, sequence, pooled))
+        return outputs
 
     def changed(self) -> None:
         if not self.stale:

@@ -13,10 +13,9 @@ columns multiplied by it, which needs the largest |x_c| each layer sees, from a 
 How: linear_dynamic quantizes its input with one scale per call; dividing each row by its largest |value| first makes
 that one scale a per-token one, and the row's scale multiplies the output back (`Int8Linear.forward`).
 
-Single queries and dense batches: `compile_for_inference(model)` after quantizing compiles the int8 encoder into one
-C++ program (compiled_encoder.py), whose products are oneDNN's int8 ones on weights packed at compile time, with the
-quantizing and rescaling fused into the loops around them (`Int8Linear.forward`'s traced formulation); padded batches
-stay on the eager kernel.
+Faster still: `compile_for_inference(model)` after quantizing compiles the int8 encoder into one C++ program
+(compiled_encoder.py), whose products are oneDNN's int8 ones on weights packed at compile time, with the quantizing and
+rescaling fused into the loops around them (`Int8Linear.forward`'s traced formulation).
 
 Inference only (no gradient flows through an `Int8Linear`); the heads and the pooler stay float32, on the packed path.
 The float32 weights of the replaced layers are dropped: save the model before quantizing it. Each replaced layer holds

@@ -1,7 +1,8 @@
-"""compile_for_inference (modeling_bert_impl/compiled_encoder.py): the model's no-padding forward compiled ahead of
-time by AOTInductor. Every head gives the outputs of its eager path; the program runs where it may (batch 1, dense
-batches) and nowhere else (padding, hidden states or attention maps asked for, autograd, training, hooks, replaced or
-changed modules and weights, packed batches); packages are reused, never written over; bad ids are named as eagerly.
+"""compile_for_inference (modeling_bert_impl/compiled_encoder.py): the model's forward compiled ahead of time by
+AOTInductor. Every head gives the outputs of its eager path; the program runs where it may (batch 1, dense batches,
+padded batches by groups of similar length) and nowhere else (hidden states or attention maps asked for, autograd,
+training, hooks, replaced or changed modules and weights, packed batches, rows of padding only); packages are reused,
+never written over; bad ids are named as eagerly.
 
 Each compile takes 13-20 s on 2 cores: the module compiles two packages of a 2-layer model (with a pooler and without)
 that every other test loads, and one of all-MiniLM-L6-v2."""
@@ -63,6 +64,14 @@ def program_calls(model) -> list:
     return calls
 
 
+def program_runs(attention_mask: torch.Tensor) -> int:
+    """How many times the program runs for a batch: once without padding, else once per group of the eager layout."""
+    lengths = attention_mask.flatten(0, -2).sum(-1)
+    if (lengths == attention_mask.shape[-1]).all():
+        return 1
+    return len(bi.bert_padding.length_groups(lengths.tolist(), bi.bert_padding.BUCKET_GROUP_COST))
+
+
 @contextmanager
 def uncompiled(model):
     """The compiled program set aside: calls take the eager path."""
@@ -93,8 +102,7 @@ def assert_same_outputs(got, expected):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("stock_name,our_name,auto_name", HEADS, ids=[h[1] for h in HEADS])
-def test_every_head_runs_the_program_where_nothing_is_padded(packages, encoder_state, stock_name, our_name, auto_name,
-                                                             layout):
+def test_every_head_runs_the_program(packages, encoder_state, stock_name, our_name, auto_name, layout):
     num_labels = 2 if "Question" in our_name else 3
     model = compiled(our_name, packages, encoder_state, num_labels=num_labels)
     calls = program_calls(model)
@@ -102,9 +110,34 @@ def test_every_head_runs_the_program_where_nothing_is_padded(packages, encoder_s
     with torch.inference_mode():
         got, expected = model(**inputs), eager(model, **inputs)
         tuples = model(**{**inputs, "attention_mask": inputs["attention_mask"].bool()}, return_dict=False)
-    assert len(calls) == (0 if layout == "padded" else 2)
+    assert len(calls) == 2 * program_runs(inputs["attention_mask"])
     assert_same_outputs(got, expected)
     assert all(torch.equal(a, b) for a, b in zip(tuples, got.to_tuple()))
+
+
+def test_padded_batches_run_the_program_by_groups(packages, encoder_state):
+    """A padded batch (right and left padding, a hole; each row its own positions and token types) runs the program
+    once per group of the eager path's layout, with the eager path's outputs: zeros at padding, each row pooled from
+    its first token. A dense batch whose rows have their own positions gives the eager path's outputs too."""
+    model = compiled("BertImplModel", packages, encoder_state)
+    calls = program_calls(model)
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.tensor([2, 3, 3, 9, 14, 16, 16, 30])
+    B, T = len(lengths), 32
+    ids = torch.randint(1, SMALL["vocab_size"], (B, T), generator=g)
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    mask[1] = mask[1].flip(0)  # left padding
+    mask[4, 5:8] = 0  # a hole
+    inputs = dict(input_ids=ids * mask, attention_mask=mask, token_type_ids=torch.randint(0, 2, (B, T), generator=g),
+                  position_ids=torch.arange(T) + torch.randint(0, 30, (B, 1), generator=g))
+    dense = {k: v[:, :20] for k, v in inputs.items() if k != "attention_mask"}
+    with torch.no_grad():
+        got, got_dense = model(**inputs), model(**dense)
+        expected, expected_dense = eager(model, **inputs), eager(model, **dense)
+    assert len(calls) == program_runs(mask) + 1 and program_runs(mask) > 2
+    assert_same_outputs(got, expected)
+    assert_same_outputs(got_dense, expected_dense)
+    assert (got.last_hidden_state[mask == 0] == 0).all()
 
 
 STEP_ASIDE = {
@@ -112,6 +145,8 @@ STEP_ASIDE = {
     "attention maps": lambda model, inputs: model(**inputs, output_attentions=True),
     "inputs_embeds": lambda model, inputs: model(inputs_embeds=model.embeddings.word_embeddings(inputs["input_ids"])),
     "one token": lambda model, inputs: model(input_ids=inputs["input_ids"][:, :1]),
+    "a row of padding only": lambda model, inputs: model(
+        **inputs, attention_mask=torch.ones_like(inputs["input_ids"]).index_fill(0, torch.tensor([1]), 0)),
     "positions of a packed row": lambda model, inputs: model(
         input_ids=inputs["input_ids"][:1], position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])),
     "cu_seq_lens": lambda model, inputs: model(
@@ -314,8 +349,8 @@ def int8_model(encoder_state, seed: int):
 
 def test_an_int8_model_compiles(encoder_state, tmp_path):
     """quantize_for_inference, then compile_for_inference: the program runs the int8 products as the traced
-    formulation of `Int8Linear` does (`quantized_decomposed`; the eager path takes it where gradients are on), padded
-    batches take the eager int8 path, and another calibration's int8 weights are refused the package."""
+    formulation of `Int8Linear` does (`quantized_decomposed`; the eager path takes it where gradients are on), on
+    dense and padded batches, and another calibration's int8 weights are refused the package."""
     path = tmp_path / "int8.pt2"
     model = bi.compile_for_inference(int8_model(encoder_state, seed=10), path)
     calls = program_calls(model)
@@ -325,14 +360,14 @@ def test_an_int8_model_compiles(encoder_state, tmp_path):
     with torch.no_grad():
         got = model(input_ids=ids)
         got_padded = model(input_ids=ids, attention_mask=padded)
-        expected_padded = eager(model, input_ids=ids, attention_mask=padded)
         with torch.enable_grad():  # the traced formulation, eagerly
             expected = eager(model, input_ids=ids)
+            expected_padded = eager(model, input_ids=ids, attention_mask=padded)
         kernel = eager(model, input_ids=ids)  # oneDNN's dynamic kernel
-    assert len(calls) == 1
-    assert_same_outputs(got_padded, expected_padded)
+    assert len(calls) == 2
     # the program's products are the traced formulation's (2e-7 apart); the kernel's rounding and float32 are 1e-4 away
-    assert_same_outputs(got, type(expected)(**{k: v.detach() for k, v in expected.items()}))
+    for g, e in ((got, expected), (got_padded, expected_padded)):
+        assert_same_outputs(g, type(e)(**{k: v.detach() for k, v in e.items()}))
     assert F.cosine_similarity(got.last_hidden_state, kernel.last_hidden_state, dim=-1).min() > 0.99
     with pytest.raises(ValueError, match="another model or weights"):
         bi.compile_for_inference(int8_model(encoder_state, seed=12), path)
