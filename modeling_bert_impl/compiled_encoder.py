@@ -6,10 +6,11 @@ the fused path (fused_layers.py). `compile_for_inference` exports the encoder's 
 mask (`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a
 package (.pt2): one C++ program with the weights frozen in oneDNN's layout, the small operations fused into loops, no
 Python between them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`):
-a batch without padding in one run; a padded one as the eager path lays it out (bert_padding.py), its sequences sorted
-by length and cut into groups padded to their longest, one run per group, so that the products skip nearly all the
-padding. The heads run on its outputs as before, and everything else (hidden states or attention maps asked for,
-packed batches, autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model
+a batch without padding in one run; with an int8 model a padded one too, as the eager path lays it out
+(bert_padding.py): its sequences sorted by length and cut into groups padded to their longest, one run per group, so
+that the products skip nearly all the padding. The heads run on its outputs as before, and everything else (float32's
+padded batches, whose eager path is as fast; hidden states or attention maps asked for, packed batches, autograd,
+training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model
 (`quantize_for_inference`) compiles too, its products oneDNN's int8 ones in the program: there the program's outputs are
 those of `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's.
 
@@ -34,6 +35,7 @@ from .bert_padding import UnpaddedLayout
 from .fused_layers import UNMASKED_ATTENTION
 from .modeling_bert_impl import BertImplModel
 from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
+from .quantization import Int8Linear
 
 FORMAT = "bert-impl compiled model 3"  # what the package's metadata says it holds; a new layout gets a new number
 
@@ -72,9 +74,10 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
 
     `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it was compiled
     from the same weights by the same torch (else a ValueError says what differs); None compiles into a temporary
-    file. Calls with `input_ids` (batch 1, dense or padded batches, at least 2 tokens), no hidden states or attention
-    maps asked for, in inference (`torch.no_grad()`, eval mode), then run the encoder (embeddings, layers, pooler) as
-    that program (a padded batch once per group of sequences of similar length); the heads run as before. Changing the weights afterwards (training, `load_state_dict`,
+    file. Calls with `input_ids` (batch 1, dense batches, at least 2 tokens; padded batches too in an int8 model),
+    no hidden states or attention maps asked for, in inference (`torch.no_grad()`, eval mode), then run the encoder
+    (embeddings, layers, pooler) as that program (a padded batch once per group of sequences of similar length); the
+    heads run as before. Changing the weights afterwards (training, `load_state_dict`,
     merging an adapter) sends calls back to the eager path with a warning: compile again. Replacing modules (PEFT
     adapters, `quantize_for_inference`) or hooks on them do the same without one. An int8 model compiles too:
     `quantize_for_inference` first, then this (the program runs `Int8Linear`'s traced formulation)."""
@@ -110,6 +113,18 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     return model
 
 
+# An int8 model's products through inductor's own C++ GEMM template (VNNI micro-kernels, the per-token quantizing and
+# the rescaling fused around them) instead of oneDNN's: on all-MiniLM-L6-v2, 2 threads, in one process, 25-30% less time
+# per 16-token query, level at 128 tokens, about 3% more on batches of 64 (benchmarks/RESULTS.md, "fifth pass"). The
+# arithmetic is the same int32 one; activations round a little differently (mean cosine with float32 0.9985 either way).
+# float32 stays on oneDNN: the template took twice its time there.
+INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+
+
+def int8(base: BertImplModel) -> bool:
+    return any(isinstance(m, Int8Linear) for m in base.modules())
+
+
 def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str]):
     """Export the forward with batch and length dynamic, compile it with AOTInductor (weights frozen in oneDNN's
     layout), write the package and load it."""
@@ -120,13 +135,12 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
                [t.clone() for t in watched(parameters(base))])
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
+    configs = {"freezing": True, "aot_inductor.metadata": metadata, **(INT8_CONFIGS if int8(base) else {})}
     with torch.no_grad():
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4 + ([None] * len(example[4]),))
-        written = torch._inductor.aoti_compile_and_package(
-            program, package_path=package_path,
-            inductor_configs={"freezing": True, "aot_inductor.metadata": metadata},
-        )
+        written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
+                                                           inductor_configs=configs)
     return torch._inductor.aoti_load_package(written)
 
 
@@ -201,6 +215,10 @@ class CompiledEncoder:
         self.storage = [(p.data_ptr(), p._version) for p in self.matrices]
         self.watched = watched(self.params)  # the program compares them with its copy: its last output
         self.stale = False  # weights changed since the compile: the eager path from then on
+        # Padded batches: the program by groups for an int8 model (1.5x the eager int8 kernel's speed on mixed lengths);
+        # float32's eager path lays them out the same way at the same speed or better (benchmarks/RESULTS.md, "fifth
+        # pass"), so it keeps them.
+        self.padded_batches = int8(base)
 
     def __call__(self, input_ids, attention_mask, token_type_ids, position_ids) -> list | None:
         """[last hidden state (B, T, H), pooled output (B, H) where the model pools], or None where the program may not
@@ -228,6 +246,8 @@ class CompiledEncoder:
             return None
         if mask is None or torch.equal(mask, self.one.to(mask.dtype).expand(B, T)):
             return self.program(*ids, torch.ones(B, T, dtype=torch.int64))
+        if not self.padded_batches:
+            return None
         real = mask != 0  # (B, T)
         if not torch.equal(mask, real.to(mask.dtype)) or not real.any(-1).all():
             return None  # a mask value the eager path refuses, or a row of padding only: the eager path

@@ -1,8 +1,8 @@
 """compile_for_inference (modeling_bert_impl/compiled_encoder.py): the model's forward compiled ahead of time by
 AOTInductor. Every head gives the outputs of its eager path; the program runs where it may (batch 1, dense batches,
-padded batches by groups of similar length) and nowhere else (hidden states or attention maps asked for, autograd,
-training, hooks, replaced or changed modules and weights, packed batches, rows of padding only); packages are reused,
-never written over; bad ids are named as eagerly.
+an int8 model's padded batches by groups of similar length) and nowhere else (float32's padded batches, hidden states
+or attention maps asked for, autograd, training, hooks, replaced or changed modules and weights, packed batches, rows
+of padding only); packages are reused, never written over; bad ids are named as eagerly.
 
 Each compile takes 13-20 s on 2 cores: the module compiles two packages of a 2-layer model (with a pooler and without)
 that every other test loads, and one of all-MiniLM-L6-v2."""
@@ -102,7 +102,8 @@ def assert_same_outputs(got, expected):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("stock_name,our_name,auto_name", HEADS, ids=[h[1] for h in HEADS])
-def test_every_head_runs_the_program(packages, encoder_state, stock_name, our_name, auto_name, layout):
+def test_every_head_runs_the_program_where_nothing_is_padded(packages, encoder_state, stock_name, our_name, auto_name,
+                                                             layout):
     num_labels = 2 if "Question" in our_name else 3
     model = compiled(our_name, packages, encoder_state, num_labels=num_labels)
     calls = program_calls(model)
@@ -110,34 +111,39 @@ def test_every_head_runs_the_program(packages, encoder_state, stock_name, our_na
     with torch.inference_mode():
         got, expected = model(**inputs), eager(model, **inputs)
         tuples = model(**{**inputs, "attention_mask": inputs["attention_mask"].bool()}, return_dict=False)
-    assert len(calls) == 2 * program_runs(inputs["attention_mask"])
+    assert len(calls) == (0 if layout == "padded" else 2)  # float32: padded batches keep the eager path
     assert_same_outputs(got, expected)
     assert all(torch.equal(a, b) for a, b in zip(tuples, got.to_tuple()))
 
 
-def test_padded_batches_run_the_program_by_groups(packages, encoder_state):
-    """A padded batch (right and left padding, a hole; each row its own positions and token types) runs the program
-    once per group of the eager path's layout, with the eager path's outputs: zeros at padding, each row pooled from
-    its first token. A dense batch whose rows have their own positions gives the eager path's outputs too."""
-    model = compiled("BertImplModel", packages, encoder_state)
-    calls = program_calls(model)
-    g = torch.Generator().manual_seed(4)
+def padded_batch(seed: int) -> dict:
+    """A padded batch of the SMALL vocabulary with right and left padding and a hole, each row its own positions and
+    token types, whose lengths make several groups of the eager layout."""
+    g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([2, 3, 3, 9, 14, 16, 16, 30])
     B, T = len(lengths), 32
-    ids = torch.randint(1, SMALL["vocab_size"], (B, T), generator=g)
     mask = (torch.arange(T) < lengths[:, None]).long()
     mask[1] = mask[1].flip(0)  # left padding
     mask[4, 5:8] = 0  # a hole
-    inputs = dict(input_ids=ids * mask, attention_mask=mask, token_type_ids=torch.randint(0, 2, (B, T), generator=g),
-                  position_ids=torch.arange(T) + torch.randint(0, 30, (B, 1), generator=g))
-    dense = {k: v[:, :20] for k, v in inputs.items() if k != "attention_mask"}
+    ids = torch.randint(1, SMALL["vocab_size"], (B, T), generator=g) * mask
+    return dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.randint(0, 2, (B, T), generator=g),
+                position_ids=torch.arange(T) + torch.randint(0, 30, (B, 1), generator=g))
+
+
+def test_rows_keep_their_own_positions(packages, encoder_state):
+    """A dense batch whose rows have their own positions gives the eager path's outputs (AOTInductor compiles for its
+    example's strides: an example expanded over the batch made the program read every row's positions from row 0);
+    the same batch padded takes the eager path in float32."""
+    model = compiled("BertImplModel", packages, encoder_state)
+    calls = program_calls(model)
+    padded = padded_batch(seed=4)
+    dense = {k: v[:, :20] for k, v in padded.items() if k != "attention_mask"}
     with torch.no_grad():
-        got, got_dense = model(**inputs), model(**dense)
-        expected, expected_dense = eager(model, **inputs), eager(model, **dense)
-    assert len(calls) == program_runs(mask) + 1 and program_runs(mask) > 2
+        got, expected = model(**dense), eager(model, **dense)
+        got_padded, expected_padded = model(**padded), eager(model, **padded)
+    assert len(calls) == 1
     assert_same_outputs(got, expected)
-    assert_same_outputs(got_dense, expected_dense)
-    assert (got.last_hidden_state[mask == 0] == 0).all()
+    assert_same_outputs(got_padded, expected_padded)
 
 
 STEP_ASIDE = {
@@ -145,8 +151,6 @@ STEP_ASIDE = {
     "attention maps": lambda model, inputs: model(**inputs, output_attentions=True),
     "inputs_embeds": lambda model, inputs: model(inputs_embeds=model.embeddings.word_embeddings(inputs["input_ids"])),
     "one token": lambda model, inputs: model(input_ids=inputs["input_ids"][:, :1]),
-    "a row of padding only": lambda model, inputs: model(
-        **inputs, attention_mask=torch.ones_like(inputs["input_ids"]).index_fill(0, torch.tensor([1]), 0)),
     "positions of a packed row": lambda model, inputs: model(
         input_ids=inputs["input_ids"][:1], position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])),
     "cu_seq_lens": lambda model, inputs: model(
@@ -350,24 +354,28 @@ def int8_model(encoder_state, seed: int):
 def test_an_int8_model_compiles(encoder_state, tmp_path):
     """quantize_for_inference, then compile_for_inference: the program runs the int8 products as the traced
     formulation of `Int8Linear` does (`quantized_decomposed`; the eager path takes it where gradients are on), on
-    dense and padded batches, and another calibration's int8 weights are refused the package."""
+    dense batches and on padded ones once per group of the eager layout (zeros at padding, each row pooled from its
+    first token), and another calibration's int8 weights are refused the package."""
     path = tmp_path / "int8.pt2"
     model = bi.compile_for_inference(int8_model(encoder_state, seed=10), path)
     calls = program_calls(model)
     ids = random_ids(3, seed=11)
-    padded = torch.ones_like(ids)
-    padded[1, 6:] = 0
+    padded = padded_batch(seed=12)
+    empty_row = torch.ones_like(ids).index_fill(0, torch.tensor([1]), 0)  # the eager path pools its zero row
     with torch.no_grad():
-        got = model(input_ids=ids)
-        got_padded = model(input_ids=ids, attention_mask=padded)
+        got, got_padded = model(input_ids=ids), model(**padded)
         with torch.enable_grad():  # the traced formulation, eagerly
-            expected = eager(model, input_ids=ids)
-            expected_padded = eager(model, input_ids=ids, attention_mask=padded)
+            expected, expected_padded = eager(model, input_ids=ids), eager(model, **padded)
         kernel = eager(model, input_ids=ids)  # oneDNN's dynamic kernel
-    assert len(calls) == 2
+        runs = len(calls)
+        assert_same_outputs(model(input_ids=ids, attention_mask=empty_row), eager(model, input_ids=ids,
+                                                                                   attention_mask=empty_row))
+    groups = program_runs(padded["attention_mask"])
+    assert runs == len(calls) == 1 + groups and groups > 2
     # the program's products are the traced formulation's (2e-7 apart); the kernel's rounding and float32 are 1e-4 away
     for g, e in ((got, expected), (got_padded, expected_padded)):
         assert_same_outputs(g, type(e)(**{k: v.detach() for k, v in e.items()}))
+    assert (got_padded.last_hidden_state[padded["attention_mask"] == 0] == 0).all()
     assert F.cosine_similarity(got.last_hidden_state, kernel.last_hidden_state, dim=-1).min() > 0.99
     with pytest.raises(ValueError, match="another model or weights"):
-        bi.compile_for_inference(int8_model(encoder_state, seed=12), path)
+        bi.compile_for_inference(int8_model(encoder_state, seed=13), path)
