@@ -21,7 +21,9 @@ weights with this torch, never written over.
 """
 
 import hashlib
+import itertools
 import json
+import operator
 import os
 import tempfile
 import warnings
@@ -144,6 +146,11 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     return torch._inductor.aoti_load_package(written)
 
 
+# what each call reads of the inputs and the modules, as C-level loops
+CPU_INT64 = lambda t: t.dtype == torch.int64 and t.device.type == "cpu"  # noqa: E731
+TRAINING, FORWARD = operator.itemgetter("training"), itertools.repeat("forward")
+DATA_PTR, VERSION = operator.methodcaller("data_ptr"), operator.attrgetter("_version")
+
 # the config fields the program's arithmetic reads
 ENCODER_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                   "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps")
@@ -203,16 +210,16 @@ class CompiledEncoder:
 
     def __init__(self, runner, base: BertImplModel):
         self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
-        self.positions = torch.arange(base.config.max_position_embeddings)  # (max T,)
-        self.zeros = torch.zeros_like(self.positions)  # (max T,) token types where none are given
-        self.one = torch.ones((), dtype=torch.int64)  # what an attention mask without padding holds
+        self.max_length = base.config.max_position_embeddings
+        self.by_shape = {}  # (B, T) -> `constants`
         self.tree = [(m.__dict__, tuple(m._modules.values()), tensor_ids(m.__dict__)) for m in base.modules()]
+        self.states = [state for state, _, _ in self.tree]
         self.changes = None  # `Changes.now()` when the tree was last found as compiled
         Changes.watch()
         self.params = parameters(base)
         self.buffers = list(base.buffers())  # held, as the parameters: the ids in `tree` stay theirs
         self.matrices = [p for p in self.params if p.dim() == 2]
-        self.storage = [(p.data_ptr(), p._version) for p in self.matrices]
+        self.storage = self.storage_now()
         self.watched = watched(self.params)  # the program compares them with its copy: its last output
         self.stale = False  # weights changed since the compile: the eager path from then on
         # Padded batches: the program by groups for an int8 model (1.5x the eager int8 kernel's speed on mixed lengths);
@@ -220,38 +227,52 @@ class CompiledEncoder:
         # pass"), so it keeps them.
         self.padded_batches = int8(base)
 
+    # Each call's checks are written for few Python steps (C-level loops, tensors made once per shape): after the
+    # program has streamed the weights through the caches, every Python step runs several times slower than in a loop.
     def __call__(self, input_ids, attention_mask, token_type_ids, position_ids) -> list | None:
         """[last hidden state (B, T, H), pooled output (B, H) where the model pools], or None where the program may not
         stand in for the model."""
         if input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu" or not untraced_inference():
             return None
         B, T = input_ids.shape
+        if not 2 <= T <= self.max_length or global_hooks() or not self.same_modules():
+            return None
+        positions, zeros, ones = self.constants(B, T)
         if position_ids is None:
-            position_ids = self.positions[:T].expand(B, T)
+            position_ids = positions
         elif attention_mask is None and B == 1:
             return None  # positions that restart would make it a packed batch: the eager path decides
+        elif position_ids.shape != (B, T):
+            position_ids = position_ids.expand(B, T).contiguous() if position_ids.shape == (1, T) else None
         if token_type_ids is None:
-            token_type_ids = self.zeros[:T].expand(B, T)
+            token_type_ids = zeros
         ids = (input_ids, token_type_ids, position_ids)
-        if (not 2 <= T <= len(self.positions) or token_type_ids.shape != (B, T)
-                or position_ids.shape not in ((B, T), (1, T))
-                or any(t.dtype != torch.int64 or t.device.type != "cpu" for t in ids)
-                or global_hooks() or not self.same_modules()):
+        if position_ids is None or token_type_ids.shape != (B, T) or not all(map(CPU_INT64, ids)):
             return None
-        if self.stale or [(p.data_ptr(), p._version) for p in self.matrices] != self.storage:
+        if self.stale or self.storage_now() != self.storage:
             return self.changed()
-        ids = [t.expand(B, T) for t in ids]
         mask = attention_mask
         if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"):
             return None
-        if mask is None or torch.equal(mask, self.one.to(mask.dtype).expand(B, T)):
-            return self.program(*ids, torch.ones(B, T, dtype=torch.int64))
+        if mask is None or torch.equal(mask, ones if mask.dtype == torch.int64 else ones.to(mask.dtype)):
+            return self.program(*ids, ones)
         if not self.padded_batches:
             return None
         real = mask != 0  # (B, T)
         if not torch.equal(mask, real.to(mask.dtype)) or not real.any(-1).all():
             return None  # a mask value the eager path refuses, or a row of padding only: the eager path
         return self.padded(ids, real)
+
+    def constants(self, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Position ids, token type ids and an attention mask where none are given (and a mask without padding
+        is), each (B, T) int64, made once per shape (the last few shapes kept)."""
+        found = self.by_shape.get((B, T))
+        if found is None:
+            if len(self.by_shape) >= 8:
+                self.by_shape.clear()
+            positions = torch.arange(T).repeat(B, 1)
+            found = self.by_shape[B, T] = positions, torch.zeros_like(positions), torch.ones_like(positions)
+        return found
 
     def program(self, input_ids, token_type_ids, position_ids, mask) -> list | None:
         """The program on (B, T) inputs; None where it may not answer (its range check failed, weights changed)."""
@@ -308,10 +329,11 @@ class CompiledEncoder:
             if not self.same_tree():
                 return False
             self.changes = changes
-        for state, _, _ in self.tree:
-            if state["training"] or "forward" in state:
-                return False
-        return True
+        return not any(map(TRAINING, self.states)) and not any(map(dict.__contains__, self.states, FORWARD))
+
+    def storage_now(self) -> list:
+        """Each matrix's storage address and version counter."""
+        return [*map(DATA_PTR, self.matrices), *map(VERSION, self.matrices)]
 
     def same_tree(self) -> bool:
         for state, children, tensors in self.tree:
