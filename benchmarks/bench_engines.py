@@ -11,12 +11,12 @@ package is not installed; `pip install bert-impl[bench]` installs them all):
   linear layers of modeling_bert_impl/packed_linear.py with no opting in);
 - bert-impl serving: the same after `optimize_for_inference(model)` (modeling_bert_impl/serving.py);
 - bert-impl compiled: after `compile_for_inference(model, path)` (modeling_bert_impl/compiled_encoder.py): the
-  forward compiled ahead of time by AOTInductor (padded batches run it once per group of similar lengths); its compile
-  time is printed with the others' set-up;
+  forward compiled ahead of time by AOTInductor (batch 1 and the dense batch run it; padded batches take the default
+  path, as fast there); its compile time is printed with the others' set-up;
 - bert-impl int8: after `quantize_for_inference(model, calibration)` (modeling_bert_impl/quantization.py), calibrated on
   256 paragraphs of real text (`pydoc_data.topics`, as bench_encode.py), not those its accuracy is measured on;
-- bert-impl int8 compiled: that int8 model after `compile_for_inference` (its products oneDNN's int8 ones in the
-  program);
+- bert-impl int8 compiled: that int8 model after `compile_for_inference` (its products inductor's C++ int8 GEMM;
+  padded batches run the program once per group of similar lengths);
 - ORT: ONNX Runtime on an ONNX export of the stock `BertModel`, fused by ORT's transformer optimizer
   (`onnxruntime.transformers.optimizer`, model_type "bert");
 - ORT int8: that fused graph through `onnxruntime.quantization.quantize_dynamic` (int8 weights, uint8 activations

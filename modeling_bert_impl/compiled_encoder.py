@@ -222,7 +222,7 @@ class CompiledEncoder:
         self.storage = self.storage_now()
         self.watched = watched(self.params)  # the program compares them with its copy: its last output
         self.stale = False  # weights changed since the compile: the eager path from then on
-        # Padded batches: the program by groups for an int8 model (1.5x the eager int8 kernel's speed on mixed lengths);
+        # Padded batches: the program by groups for an int8 model (1.5-1.7x the eager int8 speed on mixed lengths);
         # float32's eager path lays them out the same way at the same speed or better (benchmarks/RESULTS.md, "fifth
         # pass"), so it keeps them.
         self.padded_batches = int8(base)
