@@ -39,7 +39,7 @@ from .modeling_bert_impl import BertImplModel
 from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
 from .quantization import Int8Linear
 
-FORMAT = "bert-impl compiled model 3"  # what the package's metadata says it holds; a new layout gets a new number
+FORMAT = "bert-impl compiled model 4"  # what the package's metadata says it holds; a new layout gets a new number
 
 
 def parameters(base: BertImplModel) -> list[torch.Tensor]:
@@ -64,10 +64,10 @@ class Program(nn.Module):
         self.base = base
         self.register_buffer("watched_values", torch.cat(watched(parameters(base))).clone())
 
-    def forward(self, input_ids, attention_mask, token_type_ids, position_ids, watched_now: list[torch.Tensor]):
+    def forward(self, input_ids, attention_mask, token_type_ids, position_ids, watched_now: torch.Tensor):
         outputs = self.base(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                             position_ids=position_ids, return_dict=False)
-        return *outputs, torch.eq(torch.cat(watched_now), self.watched_values).all()
+        return *outputs, torch.eq(watched_now, self.watched_values).all()
 
 
 def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | None = None) -> nn.Module:
@@ -134,13 +134,13 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     # AOTInductor compiles for the example's strides (positions expanded over the batch would be read from row 0 only).
     ids = torch.ones(2, 8, dtype=torch.long)
     example = (ids, torch.ones_like(ids), torch.zeros_like(ids), torch.arange(8).repeat(2, 1),
-               [t.clone() for t in watched(parameters(base))])
+               torch.cat(watched(parameters(base))))
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
     configs = {"freezing": True, "aot_inductor.metadata": metadata, **(INT8_CONFIGS if int8(base) else {})}
     with torch.no_grad():
         program = torch.export.export(Program(base), example,
-                                      dynamic_shapes=({0: batch, 1: length},) * 4 + ([None] * len(example[4]),))
+                                      dynamic_shapes=({0: batch, 1: length},) * 4 + (None,))
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
                                                            inductor_configs=configs)
     return torch._inductor.aoti_load_package(written)
@@ -220,7 +220,7 @@ class CompiledEncoder:
         self.buffers = list(base.buffers())  # held, as the parameters: the ids in `tree` stay theirs
         self.matrices = [p for p in self.params if p.dim() == 2]
         self.storage = self.storage_now()
-        self.watched = watched(self.params)  # the program compares them with its copy: its last output
+        self.watched = watched(self.params)  # concatenated on each call, the program compares them with its copy
         self.stale = False  # weights changed since the compile: the eager path from then on
         # Padded batches: the program by groups for an int8 model (1.5-1.7x the eager int8 speed on mixed lengths);
         # float32's eager path lays them out the same way at the same speed or better (benchmarks/RESULTS.md, "fifth
@@ -278,7 +278,7 @@ class CompiledEncoder:
         """The program on (B, T) inputs; None where it may not answer (its range check failed, weights changed)."""
         try:
             *outputs, same = self.run([input_ids.contiguous(), mask, token_type_ids.contiguous(),
-                                       position_ids.contiguous(), *self.watched])
+                                       position_ids.contiguous(), torch.cat(self.watched)])
         except RuntimeError:  # its range check of the ids failed: the eager path says which
             return None
         return outputs if same else self.changed()
