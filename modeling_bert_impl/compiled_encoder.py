@@ -11,8 +11,9 @@ a batch without padding in one run; with an int8 model a padded one too, as the 
 that the products skip nearly all the padding. The heads run on its outputs as before, and everything else (float32's
 padded batches, whose eager path is as fast; hidden states or attention maps asked for, packed batches, autograd,
 training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model
-(`quantize_for_inference`) compiles too, its products oneDNN's int8 ones in the program: there the program's outputs are
-those of `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's.
+(`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program (`INT8_CONFIGS`):
+there the program computes `Int8Linear`'s traced formulation, whose activations round a little differently from the
+eager int8 kernel's (and, on some shapes, the template's fused quantizing rounds a few differently again).
 
 Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores), and the
 package, loaded, holds one more copy of the encoder's weights (93 MB there). Compile once, keep the package, and load

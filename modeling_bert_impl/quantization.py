@@ -14,8 +14,8 @@ How: linear_dynamic quantizes its input with one scale per call; dividing each r
 that one scale a per-token one, and the row's scale multiplies the output back (`Int8Linear.forward`).
 
 Faster still: `compile_for_inference(model)` after quantizing compiles the int8 encoder into one C++ program
-(compiled_encoder.py), whose products are oneDNN's int8 ones on weights packed at compile time, with the quantizing and
-rescaling fused into the loops around them (`Int8Linear.forward`'s traced formulation).
+(compiled_encoder.py), whose products are inductor's C++ int8 GEMM on weights packed at compile time, with the
+quantizing and rescaling fused around them (`Int8Linear.forward`'s traced formulation).
 
 Inference only (no gradient flows through an `Int8Linear`); the heads and the pooler stay float32, on the packed path.
 The float32 weights of the replaced layers are dropped: save the model before quantizing it. Each replaced layer holds
@@ -46,8 +46,9 @@ class Int8Linear(nn.Module):
     (`quantized.linear_dynamic` on a packed weight; it quantizes and dequantizes inside, the fastest eager route);
     traced (`torch.export`, `torch.compile`, `compile_for_inference`), the rows quantized to uint8 and the weight
     dequantized as `quantized_decomposed` operations around a float product: the pattern PyTorch's own int8 programs
-    have, which inductor turns into oneDNN's int8 product on a weight packed at compile time (the packed weight of the
-    eager kernel is an opaque object `torch.export` refuses). Both use the same int8 weight; the activations round
+    have, which inductor turns into an int8 product on a weight packed at compile time (oneDNN's, or its own C++ GEMM
+    template: compiled_encoder.INT8_CONFIGS; the packed weight of the eager kernel is an opaque object `torch.export`
+    refuses). Both use the same int8 weight; the activations round
     slightly differently (the kernel: uint8 steps over the call's range; traced: steps of 1/127)."""
 
     def __init__(self, linear: nn.Linear, input_max: torch.Tensor, alpha: float = ALPHA):
