@@ -256,7 +256,7 @@ class CompiledEncoder:
         if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"):
             return None
         if mask is None or torch.equal(mask, ones if mask.dtype == torch.int64 else ones.to(mask.dtype)):
-            return self.program(*ids, ones)
+            return self.program(*ids, ones, torch.cat(self.watched))
         if not self.padded_batches:
             return None
         real = mask != 0  # (B, T)
@@ -275,16 +275,17 @@ class CompiledEncoder:
             found = self.by_shape[B, T] = positions, torch.zeros_like(positions), torch.ones_like(positions)
         return found
 
-    def program(self, input_ids, token_type_ids, position_ids, mask) -> list | None:
-        """The program on (B, T) inputs; None where it may not answer (its range check failed, weights changed)."""
+    def program(self, input_ids, token_type_ids, position_ids, mask, watched_now) -> list | None:
+        """The program on (B, T) inputs and `watched` concatenated; None where it may not answer (its range check
+        failed, weights changed)."""
         try:
             *outputs, same = self.run([input_ids.contiguous(), mask, token_type_ids.contiguous(),
-                                       position_ids.contiguous(), torch.cat(self.watched)])
+                                       position_ids.contiguous(), watched_now])
         except RuntimeError:  # its range check of the ids failed: the eager path says which
             return None
         return outputs if same else self.changed()
 
-    def padded(self, ids: list[torch.Tensor], real: torch.Tensor) -> list | None:
+    def padded(self, ids: tuple[torch.Tensor, ...], real: torch.Tensor) -> list | None:
         """A padded batch (B, T), `real` its tokens, by groups: the sequences, sorted by length, cut into groups padded
         to their longest (the encoder's CPU layout, bert_padding.py), the program run on each group (s_g, T_g), the
         outputs put back in place, zeros at padding, as the eager path gives them."""
@@ -293,10 +294,11 @@ class CompiledEncoder:
                                       bucketed=True)
         rows = [layout.unpad(t) for t in ids]  # each (P,)
         rows_real = (layout.attention.key_mask == 0).long()  # (P,) 1 on the rows that hold a real token
+        watched_now = torch.cat(self.watched)  # once for every group
         hidden, pooled, first, start = [], [], [], 0
         for s, t, _ in layout.attention.shapes:
             group = slice(start, start + s * t)
-            outputs = self.program(*(r[group].view(s, t) for r in rows), rows_real[group].view(s, t))
+            outputs = self.program(*(r[group].view(s, t) for r in rows), rows_real[group].view(s, t), watched_now)
             if outputs is None:
                 return None
             hidden.append(outputs[0].flatten(0, 1))  # (s_g * T_g, H)
