@@ -447,9 +447,8 @@ class BertImplModel(BertImplPreTrainedModel):
         if (self.compiled_encoder is not None and inputs_embeds is None and not output_attentions
                 and not output_hidden_states and cu_seq_lens_q is None and seq_idx is None and not label_checks):
             # the compiled program where it can stand in (compiled_encoder.py); it checks the values itself
-            compiled = self.compiled_encoder(input_ids, attention_mask, token_type_ids, position_ids)
-            if compiled is not None:
-                out = BaseModelOutputWithPooling(compiled[0], compiled[1] if self.pooler is not None else None)
+            out = self.compiled_encoder(input_ids, attention_mask, token_type_ids, position_ids)
+            if out is not None:
                 return out if return_dict else out.to_tuple()
         B, T, batch = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                    cu_seq_lens_q, cu_seq_lens_k, seq_idx, label_checks or ())

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import modeling_bert_impl as bi
 
@@ -114,6 +115,22 @@ def test_every_head_runs_the_program_where_nothing_is_padded(packages, encoder_s
     assert len(calls) == (0 if layout == "padded" else 2)  # float32: padded batches keep the eager path
     assert_same_outputs(got, expected)
     assert all(torch.equal(a, b) for a, b in zip(tuples, got.to_tuple()))
+
+
+@pytest.mark.parametrize("pooled", [torch.randn(2, 4), None], ids=["pooled", "not pooled"])
+def test_the_output_object_is_the_constructors(pooled):
+    """The compiled path builds its BaseModelOutputWithPooling without the dataclass's bookkeeping: the same object."""
+    hidden = torch.randn(2, 3, 4)
+    got, expected = bi.compiled_encoder.model_output(hidden, pooled), BaseModelOutputWithPooling(hidden, pooled)
+    assert type(got) is type(expected)
+    assert list(got.items()) == list(expected.items()) and vars(got) == vars(expected)
+    assert got.to_tuple() == expected.to_tuple() and got[0] is hidden and got.pooler_output is pooled
+    assert torch.utils._pytree.tree_flatten(got) == torch.utils._pytree.tree_flatten(expected)
+    again = pickle.loads(pickle.dumps(got))
+    assert list(again.keys()) == list(expected.keys()) and torch.equal(again.last_hidden_state, hidden)
+    got.hidden_states = (hidden,)  # assigning a field later makes it an item, as with the constructor's object
+    assert list(got.keys()) == ["last_hidden_state", *(["pooler_output"] if pooled is not None else []),
+                                "hidden_states"]
 
 
 def padded_batch(seed: int) -> dict:
