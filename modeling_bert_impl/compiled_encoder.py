@@ -11,14 +11,15 @@ a batch without padding in one run; with an int8 model a padded one too, as the 
 that the products skip nearly all the padding. The heads run on its outputs as before, and everything else (float32's
 padded batches, whose eager path is as fast; hidden states or attention maps asked for, packed batches, autograd,
 training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model
-(`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program (`INT8_CONFIGS`):
-there the program computes `Int8Linear`'s traced formulation, whose activations round a little differently from the
-eager int8 kernel's (and, on some shapes, the template's fused quantizing rounds a few differently again).
+(`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program on a CPU with
+AVX-512 VNNI (`INT8_CONFIGS`), oneDNN's elsewhere: there the program computes `Int8Linear`'s traced formulation, whose
+activations round a little differently from the eager int8 kernel's (and, on some shapes, the template's fused
+quantizing rounds a few differently again).
 
 Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores), and the
 package, loaded, holds one more copy of the encoder's weights (93 MB there). Compile once, keep the package, and load
 it in the serving processes: a `package_path` that exists is loaded, after checking that it was compiled from these
-weights with this torch, never written over.
+weights with this torch for this CPU's vector instructions (its code uses them), never written over.
 """
 
 import hashlib
@@ -78,12 +79,12 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     returns it (in eval mode).
 
     `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it was compiled
-    from the same weights by the same torch (else a ValueError says what differs); None compiles into a temporary
-    file. Calls with `input_ids` (batch 1, dense batches, at least 2 tokens; padded batches too in an int8 model),
-    no hidden states or attention maps asked for, in inference (`torch.no_grad()`, eval mode), then run the encoder
-    (embeddings, layers, pooler) as that program (a padded batch once per group of sequences of similar length); the
-    heads run as before. Changing the weights afterwards (training, `load_state_dict`,
-    merging an adapter) sends calls back to the eager path with a warning: compile again. Replacing modules (PEFT
+    from the same weights by the same torch for the same CPU instructions (else a ValueError says what differs); None
+    compiles into a temporary file. Calls with `input_ids` (batch 1, dense batches, at least 2 tokens; padded batches
+    too in an int8 model), no hidden states or attention maps asked for, in inference (`torch.no_grad()`, eval mode),
+    then run the encoder (embeddings, layers, pooler) as that program (a padded batch once per group of sequences of
+    similar length); the heads run as before. Changing the weights afterwards (training, `load_state_dict`, merging an
+    adapter) sends calls back to the eager path with a warning: compile again. Replacing modules (PEFT
     adapters, `quantize_for_inference`) or hooks on them do the same without one. An int8 model compiles too:
     `quantize_for_inference` first, then this (the program runs `Int8Linear`'s traced formulation)."""
     base = getattr(model, "base_model", model)
@@ -97,13 +98,15 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
                          f"load the model with attn_implementation in {UNMASKED_ATTENTION}")
     model.eval()
     base.compiled_encoder = None  # while compiling: the model as it is
-    metadata = {"format": FORMAT, "torch": torch.__version__, "fingerprint": fingerprint(base)}
+    metadata = {"format": FORMAT, "torch": torch.__version__, "cpu": cpu_instructions(),
+                "fingerprint": fingerprint(base)}
     if package_path is not None and os.path.exists(package_path):
         runner = torch._inductor.aoti_load_package(os.fspath(package_path))
         found = runner.get_metadata()
         differs = [key for key, value in metadata.items() if found.get(key) != value]
         if differs:
-            what = {"format": "package format", "torch": "torch release", "fingerprint": "model or weights"}
+            what = {"format": "package format", "torch": "torch release", "cpu": "CPU instruction set",
+                    "fingerprint": "model or weights"}
             raise ValueError(
                 f"package_path: {os.fspath(package_path)} was compiled from another "
                 + " and ".join(what[k] for k in differs)
@@ -122,12 +125,26 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
 # the rescaling fused around them) instead of oneDNN's: on all-MiniLM-L6-v2, 2 threads, in one process, 25-30% less time
 # per 16-token query, level at 128 tokens, about 3% more on batches of 64 (benchmarks/RESULTS.md, "fifth pass"). The
 # arithmetic is the same int32 one; activations round a little differently (mean cosine with float32 0.9985 either way).
-# float32 stays on oneDNN: the template took twice its time there.
+# Only where the CPU has AVX-512 VNNI: the template has no other int8 micro-kernel than a scalar one (an AVX2 CPU took
+# 72 ms per 16-token query, oneDNN's qlinear 5.2 ms: RESULTS.md, "seventh pass"). float32 stays on oneDNN: the template
+# took twice its time there.
 INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
 def int8(base: BertImplModel) -> bool:
     return any(isinstance(m, Int8Linear) for m in base.modules())
+
+
+def gemm_configs(base: BertImplModel) -> dict:
+    """The inductor configs that pick the program's products: `INT8_CONFIGS` for an int8 model on a CPU with VNNI,
+    else inductor's default (oneDNN)."""
+    return INT8_CONFIGS if int8(base) and torch.cpu._is_vnni_supported() else {}
+
+
+def cpu_instructions() -> str:
+    """The vector instructions the package's code is compiled for ("AVX512 VNNI", "AVX2", ...), read off the CPU: a
+    package runs only where they are the same."""
+    return torch.backends.cpu.get_cpu_capability() + (" VNNI" if torch.cpu._is_vnni_supported() else "")
 
 
 def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str]):
@@ -140,7 +157,7 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
                torch.cat(watched(parameters(base))))
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
-    configs = {"freezing": True, "aot_inductor.metadata": metadata, **(INT8_CONFIGS if int8(base) else {})}
+    configs = {"freezing": True, "aot_inductor.metadata": metadata, **gemm_configs(base)}
     with torch.no_grad():
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4 + (None,))

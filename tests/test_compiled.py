@@ -316,6 +316,27 @@ def test_packages_are_reused_and_never_written_over(packages, encoder_state, tmp
             assert_same_outputs(duplicate(input_ids=ids), model(input_ids=ids))
 
 
+def test_a_package_for_other_cpu_instructions_is_refused(packages, encoder_state, monkeypatch):
+    """The package's code uses the vector instructions of the CPU that compiled it (AVX-512 code stops an AVX2 CPU
+    with an illegal instruction): elsewhere it is refused, by name."""
+    here = bi.compiled_encoder.cpu_instructions()
+    assert here.split()[0] == torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(bi.compiled_encoder, "cpu_instructions", lambda: "AVX512 VNNI" if here == "AVX2" else "AVX2")
+    with pytest.raises(ValueError, match=re.escape(f"compiled from another CPU instruction set (cpu {here!r}, here")):
+        compiled("BertImplModel", packages, encoder_state)
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["VNNI", "no VNNI"])
+def test_int8_products_follow_the_cpu(encoder_state, monkeypatch, vnni):
+    """inductor's C++ int8 GEMM template has VNNI micro-kernels and otherwise a scalar one (25x slower than oneDNN's
+    qlinear on an AVX2 CPU): the template where the CPU has VNNI, oneDNN elsewhere; float32 on oneDNN everywhere."""
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
+    configs = bi.compiled_encoder.gemm_configs(int8_model(encoder_state, seed=10))
+    assert configs.get("max_autotune_gemm_backends") == ("CPP" if vnni else None)
+    float32 = bi.BertImplModel(bi.BertImplConfig(**SMALL))
+    assert bi.compiled_encoder.gemm_configs(float32) == {}
+
+
 def test_models_it_cannot_compile_are_refused():
     with pytest.raises(ValueError, match="CPU in float32"):
         bi.compile_for_inference(bi.BertImplModel(bi.BertImplConfig(**SMALL)).double())
