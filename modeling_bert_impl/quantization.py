@@ -14,8 +14,9 @@ How: linear_dynamic quantizes its input with one scale per call; dividing each r
 that one scale a per-token one, and the row's scale multiplies the output back (`Int8Linear.forward`).
 
 Faster still: `compile_for_inference(model)` after quantizing compiles the int8 encoder into one C++ program
-(compiled_encoder.py), whose products are inductor's C++ int8 GEMM on weights packed at compile time, with the
-quantizing and rescaling fused around them (`Int8Linear.forward`'s traced formulation).
+(compiled_encoder.py), whose products are inductor's C++ int8 GEMM (on CPUs with AVX-512 VNNI; oneDNN's elsewhere)
+on weights packed at compile time, with the quantizing and rescaling fused around them (`Int8Linear.forward`'s traced
+formulation).
 
 Inference only (no gradient flows through an `Int8Linear`); the heads and the pooler stay float32, on the packed path.
 The float32 weights of the replaced layers are dropped: save the model before quantizing it. Each replaced layer holds
@@ -38,6 +39,18 @@ ALPHA = 0.5  # SmoothQuant's migration strength: how much of an input channel's 
 ENGINE = "onednn"
 
 
+def weight_levels() -> int:
+    """The largest |int8 weight|: 127 where the CPU has VNNI (its int8 products accumulate in int32), 63 elsewhere.
+
+    Without VNNI (AVX2, AVX-512 before Cascade Lake) oneDNN's int8 product adds each pair of uint8 x int8 products in
+    int16 (vpmaddubsw), which saturates: 255 x 127 x 2 > 32767. That moved all-MiniLM-L6-v2's token embeddings to a
+    per-token cosine of 0.953 with float32's (an AVX2 Zen 3). Weights of 7 bits keep every pair sum in range (255 x 63 x
+    2 = 32130): per-token cosine min 0.988 with the kernel, 0.990 traced, mean 0.9974 (benchmarks/RESULTS.md,
+    "seventh pass")."""
+    return 127 if torch.cpu._is_vnni_supported() else 63
+
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W int8 (per output channel), x int8 per token (quantized on each call), after dividing x's
     channels by `smooth` (and multiplying W's columns by it).
@@ -47,7 +60,7 @@ class Int8Linear(nn.Module):
     traced (`torch.export`, `torch.compile`, `compile_for_inference`), the rows quantized to uint8 and the weight
     dequantized as `quantized_decomposed` operations around a float product: the pattern PyTorch's own int8 programs
     have, which inductor turns into an int8 product on a weight packed at compile time (oneDNN's, or its own C++ GEMM
-    template: compiled_encoder.INT8_CONFIGS; the packed weight of the eager kernel is an opaque object `torch.export`
+    template: compiled_encoder.gemm_configs; the packed weight of the eager kernel is an opaque object `torch.export`
     refuses). Both use the same int8 weight; the activations round
     slightly differently (the kernel: uint8 steps over the call's range; traced: steps of 1/127)."""
 
@@ -60,7 +73,7 @@ class Int8Linear(nn.Module):
         bias = linear.bias.detach().float() if linear.bias is not None else torch.zeros(self.out_features)
         self.register_buffer("bias", bias, persistent=False)
         w = w * smooth
-        scale = (w.abs().amax(1).clamp_min(1e-12) / 127).double()  # (out,)
+        scale = (w.abs().amax(1).clamp_min(1e-12) / weight_levels()).double()  # (out,)
         with warnings.catch_warnings():  # quantized tensors are deprecated as a user-facing type; the ops are not
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
