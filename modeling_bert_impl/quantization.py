@@ -1,14 +1,15 @@
 """int8 inference on CPU: `quantize_for_inference(model, calibration)`.
 
-Every linear layer of the encoder becomes an `Int8Linear`: weights int8 per output channel, activations quantized on
-each call per token, products accumulated in int32 by oneDNN (`torch.ops.quantized.linear_dynamic`, VNNI / AMX where
-the CPU has them). Per token, not per tensor: BERT's hidden states have a few tokens and channels far larger than the
-rest, and one scale for a whole batch (as ONNX Runtime's `quantize_dynamic` and torch's legacy `quantize_dynamic`
-take) drowns the others: on all-MiniLM-L6-v2 and real text, per-tensor int8 of every encoder layer moves some token
-embeddings to a cosine similarity of 0.84 with fp32's. Per token it is 0.990, and 0.992 after SmoothQuant's channel
-balancing (Xiao et al. 2023): the input's channels are divided by s_c = max|x_c|^0.5 / max|W_c|^0.5 and the weight's
-columns multiplied by it, which needs the largest |x_c| each layer sees, from a few calibration batches of real text
-(random token ids give worse scales: 0.986). Figures and speed: benchmarks/RESULTS.md, "int8".
+Every linear layer of the encoder becomes an `Int8Linear`: weights int8 per output channel (7 bits where the CPU lacks
+VNNI: `weight_levels`), activations quantized on each call per token, products accumulated in int32 by oneDNN
+(`torch.ops.quantized.linear_dynamic`, VNNI / AMX where the CPU has them). Per token, not per tensor: BERT's hidden
+states have a few tokens and channels far larger than the rest, and one scale for a whole batch (as ONNX Runtime's
+`quantize_dynamic` and torch's legacy `quantize_dynamic` take) drowns the others: on all-MiniLM-L6-v2 and real text,
+per-tensor int8 of every encoder layer moves some token embeddings to a cosine similarity of 0.84 with fp32's. Per token
+it is 0.990, and 0.992 after SmoothQuant's channel balancing (Xiao et al. 2023): the input's channels are divided by s_c
+= max|x_c|^0.5 / max|W_c|^0.5 and the weight's columns multiplied by it, which needs the largest |x_c| each layer sees,
+from a few calibration batches of real text (random token ids give worse scales: 0.986). These figures are a VNNI CPU's;
+on an AVX2 one, with 7-bit weights, 0.988. Figures and speed: benchmarks/RESULTS.md, "int8" and "sixth pass".
 
 How: linear_dynamic quantizes its input with one scale per call; dividing each row by its largest |value| first makes
 that one scale a per-token one, and the row's scale multiplies the output back (`Int8Linear.forward`).
