@@ -25,6 +25,7 @@ weights with this torch for this CPU's vector instructions (its code uses them),
 import hashlib
 import itertools
 import json
+import math
 import operator
 import os
 import tempfile
@@ -78,15 +79,16 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     """Give `model` (any bert-impl head, on CPU in float32) an ahead-of-time compiled encoder for inference, in place;
     returns it (in eval mode).
 
-    `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it was compiled
-    from the same weights by the same torch for the same CPU instructions (else a ValueError says what differs); None
-    compiles into a temporary file. Calls with `input_ids` (batch 1, dense batches, at least 2 tokens; padded batches
-    too in an int8 model), no hidden states or attention maps asked for, in inference (`torch.no_grad()`, eval mode),
-    then run the encoder (embeddings, layers, pooler) as that program (a padded batch once per group of sequences of
-    similar length); the heads run as before. Changing the weights afterwards (training, `load_state_dict`, merging an
-    adapter) sends calls back to the eager path with a warning: compile again. Replacing modules (PEFT
-    adapters, `quantize_for_inference`) or hooks on them do the same without one. An int8 model compiles too:
-    `quantize_for_inference` first, then this (the program runs `Int8Linear`'s traced formulation)."""
+    `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it was compiled from
+    the same weights by the same torch for the same CPU instructions (else a ValueError says what differs); None
+    compiles into a temporary file. Calls with `input_ids` (batch 1, dense batches, at least 2 tokens, at most 64 in all
+    in float32 on an AVX2 CPU: `token_limit`; padded batches too in an int8 model), no hidden states or attention maps
+    asked for, in inference (`torch.no_grad()`, eval mode), then run the encoder (embeddings, layers, pooler) as that
+    program (a padded batch once per group of sequences of similar length); the heads run as before. Changing the
+    weights afterwards (training, `load_state_dict`, merging an adapter) sends calls back to the eager path with a
+    warning: compile again. Replacing modules (PEFT adapters, `quantize_for_inference`) or hooks on them do the same
+    without one. An int8 model compiles too: `quantize_for_inference` first, then this (the program runs `Int8Linear`'s
+    traced formulation)."""
     base = getattr(model, "base_model", model)
     if not isinstance(base, BertImplModel):
         raise ValueError(f"model: {type(model).__name__} is not a bert-impl model")
@@ -139,6 +141,14 @@ def gemm_configs(base: BertImplModel) -> dict:
     """The inductor configs that pick the program's products: `INT8_CONFIGS` for an int8 model on a CPU with VNNI,
     else inductor's default (oneDNN)."""
     return INT8_CONFIGS if int8(base) and torch.cpu._is_vnni_supported() else {}
+
+
+def token_limit(base: BertImplModel) -> int | None:
+    """The most tokens (batch x length) a call may have to run the program; None for no limit. On an AVX2 CPU (no
+    AVX-512) the float32 program is faster than the eager path up to 64 tokens and slower beyond (an AVX2 Zen 3: 0.81x
+    its time at 1 x 16, 1.00x at 1 x 64, 1.13x at 1 x 128, 1.17x at 16 x 128; RESULTS.md, "sixth pass"); on AVX-512
+    and in int8 it is faster at every size measured."""
+    return 64 if torch.backends.cpu.get_cpu_capability() == "AVX2" and not int8(base) else None
 
 
 def cpu_instructions() -> str:
@@ -262,6 +272,7 @@ class CompiledEncoder:
         # float32's eager path lays them out the same way at the same speed or better (benchmarks/RESULTS.md, "fifth
         # pass"), so it keeps them.
         self.padded_batches = int8(base)
+        self.max_tokens = token_limit(base) or math.inf  # calls of more tokens take the eager path
 
     # Each call's checks are written for few Python steps (C-level loops, tensors made once per shape): after the
     # program has streamed the weights through the caches, every Python step runs several times slower than in a loop.
@@ -271,7 +282,7 @@ class CompiledEncoder:
         if input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu" or not untraced_inference():
             return None
         B, T = input_ids.shape
-        if not 2 <= T <= self.max_length or global_hooks() or not self.same_modules():
+        if not 2 <= T <= self.max_length or B * T > self.max_tokens or global_hooks() or not self.same_modules():
             return None
         positions, zeros, ones = self.constants(B, T)
         if position_ids is None:

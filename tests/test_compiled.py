@@ -154,7 +154,7 @@ def test_rows_keep_their_own_positions(packages, encoder_state):
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
     padded = padded_batch(seed=4)
-    dense = {k: v[:, :20] for k, v in padded.items() if k != "attention_mask"}
+    dense = {k: v[:3, :20] for k, v in padded.items() if k != "attention_mask"}  # 60 tokens: within `token_limit`
     with torch.no_grad():
         got, expected = model(**dense), eager(model, **dense)
         got_padded, expected_padded = model(**padded), eager(model, **padded)
@@ -324,6 +324,26 @@ def test_a_package_for_other_cpu_instructions_is_refused(packages, encoder_state
     monkeypatch.setattr(bi.compiled_encoder, "cpu_instructions", lambda: "AVX512 VNNI" if here == "AVX2" else "AVX2")
     with pytest.raises(ValueError, match=re.escape(f"compiled from another CPU instruction set (cpu {here!r}, here")):
         compiled("BertImplModel", packages, encoder_state)
+
+
+def test_calls_over_the_token_limit_take_the_eager_path(packages, encoder_state, monkeypatch):
+    """On an AVX2 CPU the float32 program serves calls of at most 64 tokens (beyond them the eager path is faster
+    there); int8 and AVX-512 have no limit. A call over the limit runs eagerly, with the same outputs."""
+    float32 = bi.BertImplModel(bi.BertImplConfig(**SMALL))
+    for capability, limit in (("AVX2", 64), ("AVX512", None)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        assert bi.compiled_encoder.token_limit(float32) == limit
+        assert bi.compiled_encoder.token_limit(int8_model(encoder_state, seed=10)) is None
+    monkeypatch.undo()
+    model = compiled("BertImplModel", packages, encoder_state)
+    model.base_model.compiled_encoder.max_tokens = 18
+    calls = program_calls(model)
+    for B, runs in ((2, 1), (3, 1), (1, 2)):  # 18 tokens: the program; 27: the eager path; 9: the program
+        ids = random_ids(B, seed=20 + B)
+        with torch.no_grad():
+            got, expected = model(input_ids=ids), eager(model, input_ids=ids)
+        assert len(calls) == runs
+        assert_same_outputs(got, expected)
 
 
 @pytest.mark.parametrize("vnni", [True, False], ids=["VNNI", "no VNNI"])
