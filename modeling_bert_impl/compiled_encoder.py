@@ -128,7 +128,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
 # per 16-token query, level at 128 tokens, about 3% more on batches of 64 (benchmarks/RESULTS.md, "fifth pass"). The
 # arithmetic is the same int32 one; activations round a little differently (mean cosine with float32 0.9985 either way).
 # Only where the CPU has AVX-512 VNNI: the template has no other int8 micro-kernel than a scalar one (an AVX2 CPU took
-# 72 ms per 16-token query, oneDNN's qlinear 5.2 ms: RESULTS.md, "seventh pass"). float32 stays on oneDNN: the template
+# 72 ms per 16-token query, oneDNN's qlinear 5.2 ms: RESULTS.md, "sixth pass"). float32 stays on oneDNN: the template
 # took twice its time there.
 INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 

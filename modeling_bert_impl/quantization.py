@@ -47,9 +47,8 @@ def weight_levels() -> int:
     int16 (vpmaddubsw), which saturates: 255 x 127 x 2 > 32767. That moved all-MiniLM-L6-v2's token embeddings to a
     per-token cosine of 0.953 with float32's (an AVX2 Zen 3). Weights of 7 bits keep every pair sum in range (255 x 63 x
     2 = 32130): per-token cosine min 0.988 with the kernel, 0.990 traced, mean 0.9974 (benchmarks/RESULTS.md,
-    "seventh pass")."""
+    "sixth pass")."""
     return 127 if torch.cpu._is_vnni_supported() else 63
-
 
 
 class Int8Linear(nn.Module):
