@@ -18,8 +18,9 @@ A copy is made on the first such call and made again after the weight changes (a
 `.to()`, PEFT's `merge_adapter`: `packed_weight`); it costs one more copy of the weight (for the encoder of BERT-base,
 85M floats: 340 MB; all-MiniLM-L6-v2: 10.6M floats, 42 MB).
 
-`activation` is applied to the output and `residual` added to it; on the packed path the exact (erf) GELU (the
-feed-forward block's first product asks for it) and the residual sum run inside the same oneDNN call.
+`activation` is applied to the output and `residual` added to it; on the packed path the residual sum runs inside the
+same oneDNN call, and so does the exact (erf) GELU that the feed-forward block's first product asks for, on a CPU with
+AVX-512 (`fuse_gelu`).
 """
 
 import weakref
@@ -39,6 +40,13 @@ _GROUPS: dict[tuple, tuple] = {}  # ids of a model's weights -> (their `_PACKED`
 
 def is_exact_gelu(act) -> bool:
     return act is F.gelu or (type(act) is GELUActivation and act.act is F.gelu)
+
+
+def fuse_gelu() -> bool:
+    """Whether the exact GELU runs inside the product's oneDNN call: on a CPU with AVX-512. oneDNN's AVX2 GELU post-op
+    is slower than the product followed by torch's GELU (an AVX2 Zen 3: 1.11x the time at 16 x 384 -> 1536, 1.28x at
+    256 rows; the model 0.94x at 1 x 128 tokens: benchmarks/RESULTS.md, "seventh pass")."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def packed_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -93,7 +101,7 @@ def linear(layer: nn.Module, x: torch.Tensor, activation=None, residual: torch.T
 
 def packed_product(x, packed, bias, activation=None, residual=None):
     """activation(x W^T + b) (+ residual) with W packed by `packed_weight`."""
-    fused = is_exact_gelu(activation)
+    fused = is_exact_gelu(activation) and fuse_gelu()
     if residual is not None and activation is None:  # the residual sum inside the same oneDNN call
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
     # "gelu" with algorithm "none": oneDNN's erf GELU (not the tanh approximation)

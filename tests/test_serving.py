@@ -16,6 +16,7 @@ import transformers
 
 import modeling_bert_impl as bi
 import modeling_bert_impl.modeling_bert_impl as modeling
+import modeling_bert_impl.packed_linear as packed_linear
 from modeling_bert_impl.packed_linear import _PACKED, PackedLinear, linear
 from modeling_bert_impl.serving import optimize_for_inference
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,15 +68,18 @@ def test_packed_path_matches_transformers(minilm_dir, reference, lengths, switch
     assert all(packed(model, encoder_only=False)) == switch  # and the pooler too with the switch
 
 
-def test_fused_gelu_is_the_exact_gelu():
+@pytest.mark.parametrize("fuse", [True, False], ids=["in oneDNN (AVX-512)", "after it (AVX2)"])
+def test_the_packed_gelu_is_the_exact_gelu(monkeypatch, fuse):
+    """The exact GELU on the packed path, inside the product's oneDNN call (`fuse_gelu`: on AVX-512) or after it."""
+    monkeypatch.setattr(packed_linear, "fuse_gelu", lambda: fuse)
     layer = torch.nn.Linear(8, 16)
     x = torch.randn(3, 8)
     act = transformers.activations.ACT2FN["gelu"]
     with torch.no_grad():
-        fused = linear(layer, x, act)
+        got = linear(layer, x, act)
         assert id(layer.weight) in _PACKED
         expected = torch.nn.functional.gelu(torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert (fused - expected).abs().max() < 1e-6
+    assert (got - expected).abs().max() < 1e-6
 
 
 def test_autograd_never_takes_the_packed_path(minilm_dir, reference):
