@@ -1,8 +1,9 @@
 """int8 inference on CPU: `quantize_for_inference(model, calibration)`.
 
 Every linear layer of the encoder becomes an `Int8Linear`: weights int8 per output channel (7 bits where the CPU lacks
-VNNI: `weight_levels`), activations quantized on each call per token, products accumulated in int32 by oneDNN
-(`torch.ops.quantized.linear_dynamic`, VNNI / AMX where the CPU has them). Per token, not per tensor: BERT's hidden
+VNNI: `weight_levels`), activations quantized on each call per token, products accumulated in int32 by
+`torch.ops.quantized.linear_dynamic` (oneDNN's kernels, VNNI / AMX, where the CPU has VNNI; FBGEMM's elsewhere:
+`engine`). Per token, not per tensor: BERT's hidden
 states have a few tokens and channels far larger than the rest, and one scale for a whole batch (as ONNX Runtime's
 `quantize_dynamic` and torch's legacy `quantize_dynamic` take) drowns the others: on all-MiniLM-L6-v2 and real text,
 per-tensor int8 of every encoder layer moves some token embeddings to a cosine similarity of 0.84 with fp32's. Per token
@@ -37,14 +38,22 @@ from .serving import optimize_for_inference
 DECOMPOSED = torch.ops.quantized_decomposed
 ROWS_UINT8 = (1 / 127, 128, 0, 255, torch.uint8)  # scale, zero point, range, dtype: [-1, 1] in 255 steps
 ALPHA = 0.5  # SmoothQuant's migration strength: how much of an input channel's range moves into the weight
-ENGINE = "onednn"
+
+
+def engine() -> str:
+    """The int8 kernels of the eager path: oneDNN's where the CPU has VNNI, FBGEMM's elsewhere, whose AVX2 products took
+    0.52-0.58x oneDNN's time at 16 rows and the model 0.56x at 1 x 16 tokens, as accurate (an AVX2 Zen 3:
+    benchmarks/RESULTS.md, "seventh pass")."""
+    if torch.cpu._is_vnni_supported() or "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "onednn"
+    return "fbgemm"
 
 
 def weight_levels() -> int:
     """The largest |int8 weight|: 127 where the CPU has VNNI (its int8 products accumulate in int32), 63 elsewhere.
 
-    Without VNNI (AVX2, AVX-512 before Cascade Lake) oneDNN's int8 product adds each pair of uint8 x int8 products in
-    int16 (vpmaddubsw), which saturates: 255 x 127 x 2 > 32767. That moved all-MiniLM-L6-v2's token embeddings to a
+    Without VNNI (AVX2, AVX-512 before Cascade Lake) oneDNN's and FBGEMM's int8 products add each pair of uint8 x int8
+    products in int16 (vpmaddubsw), which saturates: 255 x 127 x 2 > 32767. That moved all-MiniLM-L6-v2's token embeddings to a
     per-token cosine of 0.953 with float32's (an AVX2 Zen 3). Weights of 7 bits keep every pair sum in range (255 x 63 x
     2 = 32130): per-token cosine min 0.988 with the kernel, 0.990 traced, mean 0.9974 (benchmarks/RESULTS.md,
     "sixth pass")."""
@@ -55,7 +64,7 @@ class Int8Linear(nn.Module):
     """y = x W^T + b with W int8 (per output channel), x int8 per token (quantized on each call), after dividing x's
     channels by `smooth` (and multiplying W's columns by it).
 
-    Two formulations of the product, one per caller: in eager inference, oneDNN's dynamic kernel
+    Two formulations of the product, one per caller: in eager inference, the dynamic kernel (`engine`'s)
     (`quantized.linear_dynamic` on a packed weight; it quantizes and dequantizes inside, the fastest eager route);
     traced (`torch.export`, `torch.compile`, `compile_for_inference`), the rows quantized to uint8 and the weight
     dequantized as `quantized_decomposed` operations around a float product: the pattern PyTorch's own int8 programs
@@ -77,7 +86,7 @@ class Int8Linear(nn.Module):
         with warnings.catch_warnings():  # quantized tensors are deprecated as a user-facing type; the ops are not
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
-            previous, torch.backends.quantized.engine = torch.backends.quantized.engine, ENGINE
+            previous, torch.backends.quantized.engine = torch.backends.quantized.engine, engine()
             try:  # in a tuple: torch.export refuses modules holding the packed weight's opaque object as an attribute
                 self._packed = (torch.ops.quantized.linear_prepack(q, None),)
             finally:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 import modeling_bert_impl as bi
+import modeling_bert_impl.quantization as quantization
 from modeling_bert_impl.modeling_bert_impl import AUTO_CLASSES
 from modeling_bert_impl.quantization import Int8Linear, quantize_for_inference, weight_levels
 
@@ -81,6 +82,34 @@ def test_weights_take_7_bits_without_vnni(minilm_dir, text, monkeypatch, vnni):
     int8 = quantize_for_inference(bi.BertImplModel.from_pretrained(minilm_dir).eval(), text[0][:1])
     largest = max(m.weight_int8.abs().max().item() for m in int8.modules() if isinstance(m, Int8Linear))
     assert largest == (127 if vnni else 63)
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["VNNI", "no VNNI"])
+def test_the_eager_kernels_follow_the_cpu(monkeypatch, vnni):
+    """oneDNN's int8 kernels with VNNI, FBGEMM's without (faster there)."""
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
+    fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+    assert quantization.engine() == ("fbgemm" if fbgemm and not vnni else "onednn")
+
+
+@pytest.mark.parametrize("engine", ["onednn", "fbgemm"])
+def test_each_eager_kernel_computes_the_int8_product(monkeypatch, engine):
+    """Either engine's kernel, on this CPU's int8 weights: the traced formulation's product (the same int8 weight),
+    within the rounding of the activations, which the kernel quantizes over the call's range."""
+    if engine not in torch.backends.quantized.supported_engines:
+        pytest.skip(f"torch built without {engine}")
+    monkeypatch.setattr(quantization, "engine", lambda: engine)
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(96, 64), torch.randn(5, 7, 96)
+    layer = Int8Linear(linear, x.abs().flatten(0, 1).amax(0))
+    with torch.no_grad():
+        kernel = layer(x)  # (5, 7, 64)
+        with torch.enable_grad():
+            traced = layer(x).detach()
+        expected = linear(x)
+    step = (traced - expected).abs().max()  # what rounding the activations and weights to int8 moves
+    assert 0 < step < 0.05 * expected.abs().max()
+    assert kernel.shape == expected.shape and (kernel - traced).abs().max() < step
 
 
 def test_bad_calibration_is_refused(minilm_dir):
