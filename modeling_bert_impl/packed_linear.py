@@ -45,7 +45,7 @@ def is_exact_gelu(act) -> bool:
 def fuse_gelu() -> bool:
     """Whether the exact GELU runs inside the product's oneDNN call: on a CPU with AVX-512. oneDNN's AVX2 GELU post-op
     is slower than the product followed by torch's GELU (an AVX2 Zen 3: 1.11x the time at 16 x 384 -> 1536, 1.28x at
-    256 rows; the model 0.94x at 1 x 128 tokens: benchmarks/RESULTS.md, "seventh pass")."""
+    256 rows; the model took 0.90x the time at 1 x 128 tokens: benchmarks/RESULTS.md, "seventh pass")."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 

@@ -3,14 +3,14 @@
 Every linear layer of the encoder becomes an `Int8Linear`: weights int8 per output channel (7 bits where the CPU lacks
 VNNI: `weight_levels`), activations quantized on each call per token, products accumulated in int32 by
 `torch.ops.quantized.linear_dynamic` (oneDNN's kernels, VNNI / AMX, where the CPU has VNNI; FBGEMM's elsewhere:
-`engine`). Per token, not per tensor: BERT's hidden
-states have a few tokens and channels far larger than the rest, and one scale for a whole batch (as ONNX Runtime's
-`quantize_dynamic` and torch's legacy `quantize_dynamic` take) drowns the others: on all-MiniLM-L6-v2 and real text,
-per-tensor int8 of every encoder layer moves some token embeddings to a cosine similarity of 0.84 with fp32's. Per token
-it is 0.990, and 0.992 after SmoothQuant's channel balancing (Xiao et al. 2023): the input's channels are divided by s_c
-= max|x_c|^0.5 / max|W_c|^0.5 and the weight's columns multiplied by it, which needs the largest |x_c| each layer sees,
-from a few calibration batches of real text (random token ids give worse scales: 0.986). These figures are a VNNI CPU's;
-on an AVX2 one, with 7-bit weights, 0.988. Figures and speed: benchmarks/RESULTS.md, "int8" and "sixth pass".
+`engine`). Per token, not per tensor: BERT's hidden states have a few tokens and channels far larger than the rest, and
+one scale for a whole batch (as ONNX Runtime's `quantize_dynamic` and torch's legacy `quantize_dynamic` take) drowns the
+others: on all-MiniLM-L6-v2 and real text, per-tensor int8 of every encoder layer moves some token embeddings to a
+cosine similarity of 0.84 with fp32's. Per token it is 0.990, and 0.992 after SmoothQuant's channel balancing (Xiao et
+al. 2023): the input's channels are divided by s_c = max|x_c|^0.5 / max|W_c|^0.5 and the weight's columns multiplied by
+it, which needs the largest |x_c| each layer sees, from a few calibration batches of real text (random token ids give
+worse scales: 0.986). These figures are a VNNI CPU's; on an AVX2 one, with 7-bit weights, 0.988. Figures and speed:
+benchmarks/RESULTS.md, "int8", "sixth pass" and "seventh pass".
 
 How: linear_dynamic quantizes its input with one scale per call; dividing each row by its largest |value| first makes
 that one scale a per-token one, and the row's scale multiplies the output back (`Int8Linear.forward`).
@@ -42,7 +42,7 @@ ALPHA = 0.5  # SmoothQuant's migration strength: how much of an input channel's 
 
 def engine() -> str:
     """The int8 kernels of the eager path: oneDNN's where the CPU has VNNI, FBGEMM's elsewhere, whose AVX2 products took
-    0.52-0.58x oneDNN's time at 16 rows and the model 0.56x at 1 x 16 tokens, as accurate (an AVX2 Zen 3:
+    0.50-0.58x oneDNN's time at 16 rows and the model 0.56-0.62x at 1 x 16 tokens, as accurate (an AVX2 Zen 3:
     benchmarks/RESULTS.md, "seventh pass")."""
     if torch.cpu._is_vnni_supported() or "fbgemm" not in torch.backends.quantized.supported_engines:
         return "onednn"
@@ -53,10 +53,10 @@ def weight_levels() -> int:
     """The largest |int8 weight|: 127 where the CPU has VNNI (its int8 products accumulate in int32), 63 elsewhere.
 
     Without VNNI (AVX2, AVX-512 before Cascade Lake) oneDNN's and FBGEMM's int8 products add each pair of uint8 x int8
-    products in int16 (vpmaddubsw), which saturates: 255 x 127 x 2 > 32767. That moved all-MiniLM-L6-v2's token embeddings to a
-    per-token cosine of 0.953 with float32's (an AVX2 Zen 3). Weights of 7 bits keep every pair sum in range (255 x 63 x
-    2 = 32130): per-token cosine min 0.988 with the kernel, 0.990 traced, mean 0.9974 (benchmarks/RESULTS.md,
-    "sixth pass")."""
+    products in int16 (vpmaddubsw), which saturates: 255 x 127 x 2 > 32767. That moved all-MiniLM-L6-v2's token
+    embeddings to a per-token cosine of 0.953 with float32's (an AVX2 Zen 3, oneDNN). Weights of 7 bits keep every pair
+    sum in range (255 x 63 x 2 = 32130): per-token cosine min 0.988 with either kernel, 0.990 traced, mean 0.9974
+    (benchmarks/RESULTS.md, "sixth pass" and "seventh pass")."""
     return 127 if torch.cpu._is_vnni_supported() else 63
 
 

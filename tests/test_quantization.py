@@ -36,8 +36,9 @@ def text(minilm_dir):
 
 @pytest.mark.parametrize("formulation", ["kernel", "traced"])
 def test_int8_embeddings_within_cosine_099_of_float32(minilm_dir, text, formulation):
-    """Both of Int8Linear's formulations: oneDNN's dynamic kernel (eager inference) and the one traced programs run
-    (`quantized_decomposed` operations, compile_for_inference's), which the eager path takes where gradients are on."""
+    """Both of Int8Linear's formulations: the dynamic kernel (eager inference; `quantization.engine`'s) and the one
+    traced programs run (`quantized_decomposed` operations, compile_for_inference's), which the eager path takes where
+    gradients are on."""
     calibration, evaluation = text
     fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
     int8 = quantize_for_inference(copy.deepcopy(fp32), calibration)
