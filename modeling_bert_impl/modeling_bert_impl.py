@@ -43,7 +43,7 @@ from transformers.utils.generic import can_return_tuple
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers
 from .configuration_bert_impl import BertImplConfig
 from .input_checks import IGNORE_INDEX, check_inputs, class_label_checks, position_label_checks
-from .fused_layers import fused_layer, fused_weights
+from .fused_layers import fused_encoder, fused_layer, fused_weights
 from .packed_linear import linear, unobserved
 
 
@@ -498,14 +498,17 @@ class BertImplModel(BertImplPreTrainedModel):
         # CPU inference without padding to mask: each layer in one pass (fused_layers.py), the same arithmetic
         fused = (fused_weights(x, self.layers, self.config._attn_implementation)
                  if mask is None and not output_attentions else None)
-        for i, layer in enumerate(self.layers):
-            x, weights = (fused_layer(layer, x, fused[i], layout), None) if fused else layer(x, mask, layout,
-                                                                                              output_attentions)
-            x = per_layer(x)
-            if output_hidden_states:
-                all_hidden.append(repad(x))
-            if output_attentions:
-                all_attentions.append(weights)
+        if fused and not output_hidden_states:
+            x = fused_encoder(self.layers, x, fused, layout)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, weights = (fused_layer(layer, x, fused[i], layout), None) if fused else layer(x, mask, layout,
+                                                                                                  output_attentions)
+                x = per_layer(x)
+                if output_hidden_states:
+                    all_hidden.append(repad(x))
+                if output_attentions:
+                    all_attentions.append(weights)
 
         last = repad(x if output_hidden_states else clear(x))  # (B, T, H)
         pooled = None

@@ -49,6 +49,7 @@ def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(
                                                                               monkeypatch):
     from sentence_transformers import CrossEncoder, SentenceTransformer
 
+    import modeling_bert_impl.fused_layers as fused_layers
     import modeling_bert_impl.modeling_bert_impl as modeling
 
     fused = []  # the layers run through the fused CPU inference path (fused_layers.py), with no opting in
@@ -58,7 +59,8 @@ def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(
         fused.append(layer)
         return real_fused_layer(layer, *args)
 
-    monkeypatch.setattr(modeling, "fused_layer", fused_layer)
+    for module in (modeling, fused_layers):  # the model calls it, and `fused_encoder`
+        monkeypatch.setattr(module, "fused_layer", fused_layer)
 
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")

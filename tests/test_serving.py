@@ -15,6 +15,7 @@ import torch
 import transformers
 
 import modeling_bert_impl as bi
+import modeling_bert_impl.fused_layers as fused_layers
 import modeling_bert_impl.modeling_bert_impl as modeling
 import modeling_bert_impl.packed_linear as packed_linear
 from modeling_bert_impl.packed_linear import _PACKED, PackedLinear, linear
@@ -159,10 +160,11 @@ def test_observed_layers_take_the_plain_path(minilm_dir):
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """How many layers ran through `fused_layer` (counted as the model calls it)."""
+    """How many layers ran through `fused_layer` (counted as the model and `fused_encoder` call it)."""
     calls = []
-    real = modeling.fused_layer
-    monkeypatch.setattr(modeling, "fused_layer", lambda *args: calls.append(1) or real(*args))
+    real = fused_layers.fused_layer
+    for module in (modeling, fused_layers):
+        monkeypatch.setattr(module, "fused_layer", lambda *args: calls.append(args[1].shape) or real(*args))
     return calls
 
 
@@ -194,6 +196,28 @@ def test_fused_layers_equal_the_layers_for_every_head(fused_calls, stock_name, o
     for name, e in expected.items():
         assert got[name].shape == e.shape, name
         assert (got[name] - e).abs().max().item() < 1e-5, name
+
+
+def test_dense_batches_go_through_the_layers_in_groups(fused_calls, minilm_dir, reference, monkeypatch):
+    """A dense batch of more than CHUNK_TOKENS tokens runs through all layers a group of sequences at a time (here 15
+    tokens a group, sequences of 7: two a group), every output as one pass gives it and as transformers' does; with
+    hidden states asked for, one pass."""
+    model = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    inputs = batch([7] * 5, seed=2)  # (5, 7)
+    with torch.inference_mode():
+        whole = model(**inputs)
+        assert fused_calls == [(5, 7, 384)] * 6
+        monkeypatch.setattr(fused_layers, "CHUNK_TOKENS", 15)  # two sequences a group: 2 + 2 + 1
+        grouped = model(**inputs)
+        hidden = model(**inputs, output_hidden_states=True)
+        expected = reference(**inputs)
+    assert fused_calls[6:18] == [(2, 7, 384)] * 12 and fused_calls[18:24] == [(1, 7, 384)] * 6
+    assert fused_calls[24:] == [(5, 7, 384)] * 6
+    for got in (grouped, hidden):
+        assert (got.last_hidden_state - whole.last_hidden_state).abs().max() < 1e-6
+        assert (got.pooler_output - whole.pooler_output).abs().max() < 1e-6
+    assert max_diff(grouped, expected, inputs) < 1e-5
+    assert (grouped.pooler_output - expected.pooler_output).abs().max() < 1e-5
 
 
 def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir):
