@@ -1,19 +1,19 @@
 """The model compiled ahead of time for CPU inference: `compile_for_inference(model, package_path)`.
 
-A single short query is where eager PyTorch loses to ONNX Runtime: at batch 1 x 16 tokens all-MiniLM-L6-v2's 24
-products take 2.9 ms, and the dozen other operations of each layer, each dispatched from Python, add 2 ms more even on
-the fused path (fused_layers.py). `compile_for_inference` exports the encoder's forward on a batch and its attention
-mask (`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a
-package (.pt2): one C++ program with the weights frozen in oneDNN's layout, the small operations fused into loops, no
-Python between them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`):
-a batch without padding in one run; with an int8 model a padded one too, as the eager path lays it out
-(bert_padding.py): its sequences sorted by length and cut into groups padded to their longest, one run per group, so
-that the products skip nearly all the padding. The heads run on its outputs as before, and everything else (float32's
-padded batches, whose eager path is as fast; hidden states or attention maps asked for, packed batches, autograd,
-training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model
-(`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program on a CPU with
-AVX-512 VNNI (`INT8_CONFIGS`), oneDNN's elsewhere: there the program computes `Int8Linear`'s traced formulation, whose
-activations round a little differently from the eager int8 kernel's (and, on some shapes, the template's fused
+A single short query is where eager PyTorch loses to ONNX Runtime: at batch 1 x 16 tokens all-MiniLM-L6-v2's 24 products
+take 2.9 ms, and the dozen other operations of each layer, each dispatched from Python, add 2 ms more even on the fused
+path (fused_layers.py). `compile_for_inference` exports the encoder's forward on a batch and its attention mask
+(`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a package
+(.pt2): one C++ program with the weights frozen in oneDNN's layout, the small operations fused into loops, no Python
+between them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch
+without padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8 model a padded one
+too, as the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into groups padded to their
+longest, one run per group, so that the products skip nearly all the padding. The heads run on its outputs as before,
+and everything else (float32's padded batches, whose eager path is as fast; hidden states or attention maps asked for,
+packed batches, autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An
+int8 model (`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program on a CPU
+with AVX-512 VNNI (`INT8_CONFIGS`), oneDNN's elsewhere: there the program computes `Int8Linear`'s traced formulation,
+whose activations round a little differently from the eager int8 kernel's (and, on some shapes, the template's fused
 quantizing rounds a few differently again).
 
 Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores), and the
@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .bert_padding import UnpaddedLayout
-from .fused_layers import UNMASKED_ATTENTION
+from .fused_layers import CHUNK_TOKENS, UNMASKED_ATTENTION
 from .modeling_bert_impl import BertImplModel
 from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
 from .quantization import Int8Linear
@@ -302,7 +302,7 @@ class CompiledEncoder:
         if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"):
             return None
         if mask is None or torch.equal(mask, ones if mask.dtype == torch.int64 else ones.to(mask.dtype)):
-            outputs = self.program(*ids, ones, torch.cat(self.watched))
+            outputs = self.dense(ids, ones)
         elif not self.padded_batches:
             return None
         else:
@@ -332,6 +332,17 @@ class CompiledEncoder:
         except RuntimeError:  # its range check of the ids failed: the eager path says which
             return None
         return outputs if same else self.changed()
+
+    def dense(self, ids: tuple[torch.Tensor, ...], ones: torch.Tensor) -> list | None:
+        """A batch without padding (B, T): the program on groups of CHUNK_TOKENS // T sequences, as the eager path runs
+        the layers (`fused_encoder`: each product's inputs and outputs stay in the cache), the outputs concatenated."""
+        B, T = ones.shape
+        group, watched_now = max(1, CHUNK_TOKENS // T), torch.cat(self.watched)
+        if B <= group:
+            return self.program(*ids, ones, watched_now)
+        parts = [self.program(*(t[i:i + group] for t in ids), ones[i:i + group], watched_now)
+                 for i in range(0, B, group)]
+        return None if any(p is None for p in parts) else [torch.cat(outputs) for outputs in zip(*parts)]
 
     def padded(self, ids: tuple[torch.Tensor, ...], real: torch.Tensor) -> list | None:
         """A padded batch (B, T), `real` its tokens, by groups: the sequences, sorted by length, cut into groups padded

@@ -346,6 +346,22 @@ def test_calls_over_the_token_limit_take_the_eager_path(packages, encoder_state,
         assert_same_outputs(got, expected)
 
 
+def test_dense_batches_run_the_program_in_groups(packages, encoder_state, monkeypatch):
+    """A batch without padding of more than CHUNK_TOKENS tokens runs the program once per group of CHUNK_TOKENS // T
+    sequences (as the eager path runs its layers), with the outputs of one run and of the eager path."""
+    model = compiled("BertImplModel", packages, encoder_state)
+    calls = program_calls(model)
+    ids = random_ids(5, seed=30)  # (5, 9)
+    with torch.no_grad():
+        whole = model(input_ids=ids)
+        monkeypatch.setattr(bi.compiled_encoder, "CHUNK_TOKENS", 18)  # two sequences a group: 2 + 2 + 1
+        grouped = model(input_ids=ids)
+        expected = eager(model, input_ids=ids)
+    assert len(calls) == 1 + 3
+    assert_same_outputs(grouped, whole)
+    assert_same_outputs(grouped, expected)
+
+
 @pytest.mark.parametrize("vnni", [True, False], ids=["VNNI", "no VNNI"])
 def test_int8_products_follow_the_cpu(encoder_state, monkeypatch, vnni):
     """inductor's C++ int8 GEMM template has VNNI micro-kernels and otherwise a scalar one (25x slower than oneDNN's
