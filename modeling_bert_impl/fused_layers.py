@@ -1,15 +1,16 @@
 """The encoder's layers in one pass for CPU inference: what ONNX Runtime's fused Attention, SkipLayerNorm and BiasGelu
 kernels do for it, in eager PyTorch.
 
-A single short query leaves the products little to do: at batch 1 x 16 tokens, all-MiniLM-L6-v2's 24 products take
-2.9 ms back to back, and the layers called as modules took 5.7 ms in all. The rest was Python and small operations
-around the products (a dozen module calls per layer, dropout, transformers' attention wrapper, reshapes, a check per
-product that its packed weight is current), each slower than it looks because the products before it have streamed
-the weights through the caches. `fused_layer` is a layer's arithmetic with less of that: no module calls but those of
-replaced linear layers, the residual sums inside the products (oneDNN's binary post-op), the GELU inside the first
-feed-forward product, attention in one call of torch's kernel, and the packed weights of all layers checked at once
-(`packed_weights`): 5.2 ms for that query, benchmarks/RESULTS.md. BertImplModel runs its layers through it where that
-cannot change anything (`fused_weights`); outputs equal the layers' own to float32 rounding (tests/test_serving.py)."""
+A single short query leaves the products little to do: at batch 1 x 16 tokens, all-MiniLM-L6-v2's 24 products take 2.9
+ms back to back, and the layers called as modules took 5.7 ms in all. The rest was Python and small operations around
+the products (a dozen module calls per layer, dropout, transformers' attention wrapper, reshapes, a check per product
+that its packed weight is current), each slower than it looks because the products before it have streamed the weights
+through the caches. `fused_layer` is a layer's arithmetic with less of that: no module calls but those of replaced
+linear layers, the residual sums inside the products (oneDNN's binary post-op), the GELU inside the first feed-forward
+product (on AVX-512: `packed_linear.fuse_gelu`), attention in one call of torch's kernel, and the packed weights of all
+layers checked at once (`packed_weights`): 5.2 ms for that query, benchmarks/RESULTS.md. BertImplModel runs its layers
+through it where that cannot change anything (`fused_weights`), a dense batch a group of sequences at a time
+(`fused_encoder`); outputs equal the layers' own to float32 rounding (tests/test_serving.py)."""
 
 import torch
 import torch.nn.functional as F
