@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .bert_padding import UnpaddedLayout
-from .fused_layers import CHUNK_TOKENS, UNMASKED_ATTENTION
+from .fused_layers import UNMASKED_ATTENTION, group_size
 from .modeling_bert_impl import BertImplModel
 from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
 from .quantization import Int8Linear
@@ -334,15 +334,19 @@ class CompiledEncoder:
         return outputs if same else self.changed()
 
     def dense(self, ids: tuple[torch.Tensor, ...], ones: torch.Tensor) -> list | None:
-        """A batch without padding (B, T): the program on groups of CHUNK_TOKENS // T sequences, as the eager path runs
+        """A batch without padding (B, T): the program on groups of `group_size(T)` sequences, as the eager path runs
         the layers (`fused_encoder`: each product's inputs and outputs stay in the cache), the outputs concatenated."""
         B, T = ones.shape
-        group, watched_now = max(1, CHUNK_TOKENS // T), torch.cat(self.watched)
+        group, watched_now = group_size(T), torch.cat(self.watched)
         if B <= group:
             return self.program(*ids, ones, watched_now)
-        parts = [self.program(*(t[i:i + group] for t in ids), ones[i:i + group], watched_now)
-                 for i in range(0, B, group)]
-        return None if any(p is None for p in parts) else [torch.cat(outputs) for outputs in zip(*parts)]
+        parts = []
+        for i in range(0, B, group):
+            outputs = self.program(*(t[i:i + group] for t in ids), ones[i:i + group], watched_now)
+            if outputs is None:  # no group runs after one the program refused
+                return None
+            parts.append(outputs)
+        return [torch.cat(outputs) for outputs in zip(*parts)]
 
     def padded(self, ids: tuple[torch.Tensor, ...], real: torch.Tensor) -> list | None:
         """A padded batch (B, T), `real` its tokens, by groups: the sequences, sorted by length, cut into groups padded

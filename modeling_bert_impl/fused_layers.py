@@ -44,14 +44,18 @@ def fused_weights(x: torch.Tensor, layers, attn_implementation: str) -> list[lis
     return [flat[i:i + 4] for i in range(0, len(flat), 4)]
 
 
+def group_size(T: int) -> int:
+    """How many sequences of T tokens a dense batch's group holds: CHUNK_TOKENS // T, at least one."""
+    return max(1, CHUNK_TOKENS // T)
+
+
 def fused_encoder(layers, x: torch.Tensor, packed: list[list], layout=None) -> torch.Tensor:
     """`fused_layer` of each of `layers` in turn. A dense batch x (B, T, H) of more than CHUNK_TOKENS tokens goes
-    through all of them a group of CHUNK_TOKENS // T sequences at a time (attention never crosses sequences), each
+    through all of them a group of `group_size(T)` sequences at a time (attention never crosses sequences), each
     product's inputs and outputs staying in the cache: 64 x 128 tokens in 0.84-0.91x the time of one pass, 16 x 512 in
     0.84-0.85x (all-MiniLM-L6-v2 on an AVX2 Zen 3: benchmarks/RESULTS.md, "seventh pass")."""
-    group = max(1, CHUNK_TOKENS // x.shape[1]) if layout is None else None  # sequences
-    if group is not None and x.shape[0] > group:  # (B, T, H) -> groups (group, T, H)
-        return torch.cat([fused_encoder(layers, part, packed) for part in x.split(group)])
+    if layout is None and x.shape[0] > group_size(x.shape[1]):  # (B, T, H) -> groups (group, T, H)
+        return torch.cat([fused_encoder(layers, part, packed) for part in x.split(group_size(x.shape[1]))])
     for layer, weights in zip(layers, packed):
         x = fused_layer(layer, x, weights, layout)
     return x

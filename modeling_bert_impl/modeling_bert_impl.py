@@ -43,7 +43,8 @@ from transformers.utils.generic import can_return_tuple
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers
 from .configuration_bert_impl import BertImplConfig
 from .input_checks import IGNORE_INDEX, check_inputs, class_label_checks, position_label_checks
-from .fused_layers import fused_encoder, fused_layer, fused_weights
+from . import fused_layers
+from .fused_layers import fused_encoder, fused_weights
 from .packed_linear import linear, unobserved
 
 
@@ -502,8 +503,8 @@ class BertImplModel(BertImplPreTrainedModel):
             x = fused_encoder(self.layers, x, fused, layout)
         else:
             for i, layer in enumerate(self.layers):
-                x, weights = (fused_layer(layer, x, fused[i], layout), None) if fused else layer(x, mask, layout,
-                                                                                                  output_attentions)
+                x, weights = ((fused_layers.fused_layer(layer, x, fused[i], layout), None) if fused
+                              else layer(x, mask, layout, output_attentions))
                 x = per_layer(x)
                 if output_hidden_states:
                     all_hidden.append(repad(x))

@@ -354,7 +354,7 @@ def test_dense_batches_run_the_program_in_groups(packages, encoder_state, monkey
     ids = random_ids(5, seed=30)  # (5, 9)
     with torch.no_grad():
         whole = model(input_ids=ids)
-        monkeypatch.setattr(bi.compiled_encoder, "CHUNK_TOKENS", 18)  # two sequences a group: 2 + 2 + 1
+        monkeypatch.setattr(bi.fused_layers, "CHUNK_TOKENS", 18)  # two sequences a group: 2 + 2 + 1
         grouped = model(input_ids=ids)
         expected = eager(model, input_ids=ids)
     assert len(calls) == 1 + 3

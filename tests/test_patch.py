@@ -50,17 +50,15 @@ def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(
     from sentence_transformers import CrossEncoder, SentenceTransformer
 
     import modeling_bert_impl.fused_layers as fused_layers
-    import modeling_bert_impl.modeling_bert_impl as modeling
 
     fused = []  # the layers run through the fused CPU inference path (fused_layers.py), with no opting in
-    real_fused_layer = modeling.fused_layer
+    real_fused_layer = fused_layers.fused_layer
 
     def fused_layer(layer, *args):
         fused.append(layer)
         return real_fused_layer(layer, *args)
 
-    for module in (modeling, fused_layers):  # the model calls it, and `fused_encoder`
-        monkeypatch.setattr(module, "fused_layer", fused_layer)
+    monkeypatch.setattr(fused_layers, "fused_layer", fused_layer)
 
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
