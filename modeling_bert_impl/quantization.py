@@ -60,8 +60,8 @@ def weight_levels() -> int:
     Without VNNI (AVX2, AVX-512 before Cascade Lake) oneDNN's and FBGEMM's int8 products add each pair of uint8 x int8
     products in int16 (vpmaddubsw), which saturates: 255 x 127 x 2 > 32767. That moved all-MiniLM-L6-v2's token
     embeddings to a per-token cosine of 0.953 with float32's (an AVX2 Zen 3, oneDNN). Weights of 7 bits keep every pair
-    sum in range (255 x 63 x 2 = 32130): per-token cosine min 0.988 with either kernel, 0.990 traced, mean 0.9974
-    (benchmarks/RESULTS.md, "sixth pass" and "seventh pass")."""
+    sum in range (255 x 63 x 2 = 32130): per-token cosine min 0.988 with either kernel rounding to the nearest level,
+    0.9939 (traced 0.9938) rounding by GPTQ, mean 0.9985 (benchmarks/RESULTS.md, "sixth pass" to "eighth pass")."""
     return 127 if torch.cpu._is_vnni_supported() else 63
 
 
