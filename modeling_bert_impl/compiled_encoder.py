@@ -4,10 +4,11 @@ A single short query is where eager PyTorch loses to ONNX Runtime: at batch 1 x 
 take 2.9 ms, and the dozen other operations of each layer, each dispatched from Python, add 2 ms more even on the fused
 path (fused_layers.py). `compile_for_inference` exports the encoder's forward on a batch and its attention mask
 (`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a package
-(.pt2): one C++ program with the weights frozen in oneDNN's layout, the small operations fused into loops, no Python
-between them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch
-without padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8 model a padded one
-too, as the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into groups padded to their
+(.pt2): one C++ program with the weights frozen in oneDNN's layout (float32 on an AVX2 CPU: in the panels of our own
+product kernel, avx2_gemm.py, faster there than oneDNN's), the small operations fused into loops, no Python between
+them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch without
+padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8 model a padded one too, as
+the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into groups padded to their
 longest, one run per group, so that the products skip nearly all the padding. The heads run on its outputs as before,
 and everything else (float32's padded batches, whose eager path is as fast; hidden states or attention maps asked for,
 packed batches, autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An
@@ -16,10 +17,12 @@ with AVX-512 VNNI (`INT8_CONFIGS`), oneDNN's elsewhere: there the program comput
 whose activations round a little differently from the eager int8 kernel's (and, on some shapes, the template's fused
 quantizing rounds a few differently again).
 
-Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores), and the
-package, loaded, holds one more copy of the encoder's weights (93 MB there). Compile once, keep the package, and load
-it in the serving processes: a `package_path` that exists is loaded, after checking that it was compiled from these
-weights with this torch for this CPU's vector instructions (its code uses them), never written over.
+Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores; on an AVX2 CPU
+11-16 s more the first time, to build the kernel into inductor's cache), and the package, loaded, holds one more copy of
+the encoder's weights (93 MB there). Compile once, keep the package, and load it in the serving processes: a
+`package_path` that exists is loaded, after checking that it was compiled from these weights with this torch for this
+CPU's vector instructions (its code uses them), never written over. A package compiled with the kernel needs it where it
+is loaded: built there (the same compiler) or found in the cache.
 """
 
 import hashlib
@@ -31,6 +34,7 @@ import os
 import tempfile
 import warnings
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -38,6 +42,7 @@ from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+from . import avx2_gemm
 from .bert_padding import UnpaddedLayout
 from .fused_layers import UNMASKED_ATTENTION, group_size
 from .modeling_bert_impl import BertImplModel
@@ -103,7 +108,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     metadata = {"format": FORMAT, "torch": torch.__version__, "cpu": cpu_instructions(),
                 "fingerprint": fingerprint(base)}
     if package_path is not None and os.path.exists(package_path):
-        runner = torch._inductor.aoti_load_package(os.fspath(package_path))
+        runner = load_package(base, os.fspath(package_path))
         found = runner.get_metadata()
         differs = [key for key, value in metadata.items() if found.get(key) != value]
         if differs:
@@ -145,10 +150,14 @@ def gemm_configs(base: BertImplModel) -> dict:
 
 def token_limit(base: BertImplModel) -> int | None:
     """The most tokens (batch x length) a call may have to run the program; None for no limit. On an AVX2 CPU (no
-    AVX-512) the float32 program is faster than the eager path up to 64 tokens and slower beyond (an AVX2 Zen 3: 0.81x
-    its time at 1 x 16, 1.00x at 1 x 64, 1.13x at 1 x 128, 1.17x at 16 x 128; RESULTS.md, "sixth pass"); on AVX-512
-    and in int8 it is faster at every size measured."""
-    return 64 if torch.backends.cpu.get_cpu_capability() == "AVX2" and not int8(base) else None
+    AVX-512) the float32 program with oneDNN's products is faster than the eager path up to 64 tokens and slower beyond
+    (an AVX2 Zen 3: 0.81x its time at 1 x 16, 1.00x at 1 x 64, 1.13x at 1 x 128, 1.17x at 16 x 128; RESULTS.md,
+    "sixth pass"); with our kernel's (avx2_gemm.py) up to 512 (0.88-0.92x at 1 x 128, 0.90x at 1 x 256, 0.95x at
+    4 x 128), and beyond that the two are within the noise (0.92-1.10x at 16 x 128, 0.99-1.04x at 64 x 128: RESULTS.md,
+    "ninth pass"). On AVX-512 and in int8 it is faster at every size measured."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX2" or int8(base):
+        return None
+    return 512 if avx2_gemm.chosen(base) else 64
 
 
 def cpu_instructions() -> str:
@@ -157,9 +166,23 @@ def cpu_instructions() -> str:
     return torch.backends.cpu.get_cpu_capability() + (" VNNI" if torch.cpu._is_vnni_supported() else "")
 
 
+def load_package(base: BertImplModel, package_path: str):
+    """The package's program, loaded. Where `compile_package` would run the products through our AVX2 kernel
+    (avx2_gemm.py), the kernel is loaded first (built if it is not in the cache): a package compiled with it needs it."""
+    avx2_gemm.chosen(base)
+    try:
+        return torch._inductor.aoti_load_package(package_path)
+    except RuntimeError as error:
+        if avx2_gemm.OP not in str(error):
+            raise
+        why = avx2_gemm.load() if avx2_gemm.supported() else "this CPU is not AVX2 on Linux x86-64"
+        raise ValueError(f"package_path: {package_path} runs bert-impl's AVX2 product kernel ({avx2_gemm.OP}), which "
+                         f"could not be loaded here ({why}); compile the model again here") from error
+
+
 def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str]):
     """Export the forward with batch and length dynamic, compile it with AOTInductor (weights frozen in oneDNN's
-    layout), write the package and load it."""
+    layout, or float32's on an AVX2 CPU in our kernel's panels: avx2_gemm.py), write the package and load it."""
     # (B, T) an example; the program takes any B >= 1, 2 <= T <= positions. Contiguous, as the program's inputs will be:
     # AOTInductor compiles for the example's strides (positions expanded over the batch would be read from row 0 only).
     ids = torch.ones(2, 8, dtype=torch.long)
@@ -168,7 +191,8 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
     configs = {"freezing": True, "aot_inductor.metadata": metadata, **gemm_configs(base)}
-    with torch.no_grad():
+    products = avx2_gemm.kernel_products(base) if avx2_gemm.chosen(base) else nullcontext()
+    with torch.no_grad(), products:
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4 + (None,))
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,

@@ -326,11 +326,14 @@ def test_a_package_for_other_cpu_instructions_is_refused(packages, encoder_state
         compiled("BertImplModel", packages, encoder_state)
 
 
-def test_calls_over_the_token_limit_take_the_eager_path(packages, encoder_state, monkeypatch):
-    """On an AVX2 CPU the float32 program serves calls of at most 64 tokens (beyond them the eager path is faster
-    there); int8 and AVX-512 have no limit. A call over the limit runs eagerly, with the same outputs."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["AVX2 kernel", "oneDNN"])
+def test_calls_over_the_token_limit_take_the_eager_path(packages, encoder_state, monkeypatch, kernel):
+    """On an AVX2 CPU the float32 program serves calls of at most 512 tokens with our kernel's products, 64 with
+    oneDNN's (beyond them the eager path is as fast or faster there); int8 and AVX-512 have no limit. A call over the
+    limit runs eagerly, with the same outputs."""
     float32 = bi.BertImplModel(bi.BertImplConfig(**SMALL))
-    for capability, limit in (("AVX2", 64), ("AVX512", None)):
+    monkeypatch.setattr(bi.avx2_gemm, "chosen", lambda base: kernel and bool(bi.quantization.encoder_linears(base)))
+    for capability, limit in (("AVX2", 512 if kernel else 64), ("AVX512", None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         assert bi.compiled_encoder.token_limit(float32) == limit
         assert bi.compiled_encoder.token_limit(int8_model(encoder_state, seed=10)) is None

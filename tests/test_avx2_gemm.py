@@ -1,0 +1,143 @@
+"""avx2_gemm (modeling_bert_impl/avx2_gemm.py): the float32 program's products on an AVX2 CPU through our C++ kernel
+`bert_impl::sgemm`. Its products are float64's within float32's rounding on every shape the blocks and panels cut
+unevenly; the program compiled with it runs all the encoder's products through it with the eager path's outputs; the
+layers are put back after the trace; where the kernel cannot be built the program keeps oneDNN's products, and a
+package that needs it says so when it cannot be loaded.
+
+The kernel is AVX2 code: the module runs where the CPU has AVX2 (AVX-512 CPUs too, where the program would not choose
+it on its own), on Linux x86-64. One compile of a 2-layer model: 10-15 s on 2 cores."""
+
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import modeling_bert_impl as bi
+from modeling_bert_impl import avx2_gemm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_modeling import SMALL  # noqa: E402
+
+AVX2 = (sys.platform == "linux" and platform.machine() == "x86_64"
+        and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+pytestmark = pytest.mark.skipif(not AVX2, reason="the kernel is AVX2 code for Linux x86-64")
+
+
+@pytest.fixture(scope="module")
+def sgemm():
+    why = avx2_gemm.load()
+    assert why is None, why  # inductor's C++ compiler builds it (the program needs that compiler as well)
+    return torch.ops.bert_impl.sgemm
+
+
+def assert_float32_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    """y within float32's rounding of x w^T + b summed in float64: K + 1 roundings of at most eps each, relative to
+    the sum of the terms' magnitudes."""
+    x, w = x.double(), w.double()
+    expected = F.linear(x, w, None if b is None else b.double())
+    magnitude = F.linear(x.abs(), w.abs(), None if b is None else b.double().abs())
+    bound = (w.shape[1] + 1) * torch.finfo(torch.float32).eps * magnitude
+    assert y.dtype == torch.float32 and y.shape == expected.shape
+    assert ((y.double() - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("M", [1, 5, 6, 7, 13, 16, 130])
+@pytest.mark.parametrize("K,N", [(1, 16), (7, 37), (384, 1152), (1536, 384)])
+def test_products_are_float64s_within_rounding(sgemm, M, K, N):
+    """Rows in blocks of 6 (and the 1-5 left over), output columns in panels of 16 (37: a last panel of 5)."""
+    generator = torch.Generator().manual_seed(M * 1000 + K + N)
+    x, w, b = (torch.randn(*shape, generator=generator) for shape in ((M, K), (N, K), (N,)))
+    y = sgemm(x, avx2_gemm.pack(w), b, N)
+    assert_float32_close(y, x, w, b)
+    assert (y - F.linear(x, w, b)).abs().max().item() < 1e-4 * max(1.0, K ** 0.5)
+
+
+def test_leading_dimensions_strided_inputs_and_no_bias(sgemm):
+    generator = torch.Generator().manual_seed(0)
+    wide, w = torch.randn(2, 5, 60, generator=generator), torch.randn(37, 40, generator=generator)
+    x = wide[..., 10:50]  # (2, 5, 40), not contiguous
+    y = sgemm(x, avx2_gemm.pack(w), None, 37)
+    assert y.shape == (2, 5, 37)
+    assert_float32_close(y, x, w, None)
+
+
+def kernel_calls(model, **inputs) -> int:
+    """How many times the kernel runs in one call of the model (the profiler sees the program's operators)."""
+    with torch.no_grad(), torch.profiler.profile() as profile:
+        model(**inputs)
+    return sum(event.count for event in profile.key_averages() if event.key == avx2_gemm.OP)
+
+
+def small_model(seed: int = 0) -> bi.BertImplModel:
+    torch.manual_seed(seed)
+    return bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+
+
+@pytest.fixture(scope="module")
+def kernel_package(sgemm, tmp_path_factory):
+    """A package of the SMALL model compiled with the kernel's products."""
+    path = tmp_path_factory.mktemp("kernel") / "small.pt2"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(avx2_gemm, "supported", lambda: True)  # an AVX-512 CPU runs the AVX2 code too
+        model = bi.compile_for_inference(small_model(), path)
+    return model, path
+
+
+def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kernel_package):
+    """8 products (2 layers x qkv, out, up, down) a call, the pooler's left to oneDNN; the layers are nn.Linear again
+    after the trace; the outputs are the eager path's."""
+    model, _ = kernel_package
+    assert [type(layer) for _, _, layer in bi.quantization.encoder_linears(model)] == [nn.Linear] * 8
+    ids = torch.randint(1, SMALL["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(1))
+    assert kernel_calls(model, input_ids=ids) == 8
+    with torch.no_grad():
+        got = model(input_ids=ids)
+        encoder, model.compiled_encoder = model.compiled_encoder, None
+        expected = model(input_ids=ids)
+        model.compiled_encoder = encoder
+    for name in ("last_hidden_state", "pooler_output"):
+        assert (got[name] - expected[name]).abs().max().item() < 1e-5, name
+
+
+def test_without_the_kernel_the_program_keeps_onednns_products(sgemm, monkeypatch, tmp_path):
+    """Where it is not chosen (an AVX-512 CPU, or it could not be built: `load` says why), no call reaches it; an int8
+    model never chooses it (its layers are Int8Linear)."""
+    monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
+    monkeypatch.setattr(avx2_gemm, "load", lambda: "g++ could not build it")
+    model = bi.compile_for_inference(small_model(), tmp_path / "onednn.pt2")
+    assert kernel_calls(model, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
+    monkeypatch.undo()
+    int8 = bi.quantize_for_inference(small_model(), [{"input_ids": torch.ones(2, 9, dtype=torch.long)}])
+    assert not avx2_gemm.chosen(int8) and avx2_gemm.chosen(small_model()) == avx2_gemm.supported()
+
+
+def test_a_package_that_needs_the_kernel_says_so(kernel_package, monkeypatch):
+    """Loading a package compiled with the kernel, in a process that could not build it, names the package, the kernel
+    and why."""
+    _, path = kernel_package
+    monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
+    monkeypatch.setattr(avx2_gemm, "load", lambda: "g++ could not build it")
+
+    def unregistered(_):
+        raise RuntimeError("Could not find schema for bert_impl::sgemm.")
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", unregistered)
+    with pytest.raises(ValueError, match=rf"{path} runs bert-impl's AVX2 product kernel .*g\+\+ could not build it"):
+        bi.compile_for_inference(small_model(), path)
+
+
+def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
+    """`build` in an empty cache with a compiler that fails: a RuntimeError with its name and message, nothing left
+    in the cache."""
+    compiler = tmp_path / "cc"
+    compiler.write_text("#!/bin/sh\necho 'no AVX2 here' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch._inductor.cpp_builder, "get_cpp_compiler", lambda: str(compiler))
+    with pytest.raises(RuntimeError, match=rf"{compiler} could not build .*sgemm_avx2.cpp: no AVX2 here"):
+        avx2_gemm.build()
+    assert list((tmp_path / "cache" / "bert_impl").iterdir()) == []
