@@ -4,8 +4,10 @@ On an AVX2 CPU (no AVX-512) oneDNN's float32 products are what keeps a short que
 products of all-MiniLM-L6-v2 on 16 rows take oneDNN 5.6-6.2 ms, ONNX Runtime's MLAS 3.3-3.7 ms (an AVX2 Zen 3, 2
 threads, each engine alone: benchmarks/RESULTS.md, "ninth pass"). The kernel streams each weight once, in the order it
 is stored: packed into panels of 16 output columns (`pack`), each 6 rows x 16 columns of the output summed in AVX
-registers, the panels split over the threads. In the program the same 24 products take 4.1 ms at 16 rows (ONNX
-Runtime 4.4, oneDNN 7.4 in that run) and 22.0 ms at 128 (21.5, 26.8).
+registers, the next panel fetched into the cache meanwhile, the panels split over the threads. In a compiled program the
+same 24 products took 4.1 ms at 16 rows (before the prefetch; ONNX Runtime 4.4, oneDNN 7.4 in that run) and 22.0 ms at
+128 (21.5, 26.8); the whole model answers a 16-token query in 3.66 ms and a 128-token one in 22.93 ms, ONNX Runtime in
+4.34 and 24.19 ms (bench_engines.py run X).
 
 `compile_for_inference` runs the float32 encoder's linear layers through it (`kernel_products`) where `chosen`: an
 AVX2 CPU on Linux x86-64, the kernel built. It is built once per torch release and source, with the C++ compiler that
@@ -111,7 +113,8 @@ class KernelLinear(nn.Module):
 
 @contextmanager
 def kernel_products(base: nn.Module):
-    """While tracing the program: every nn.Linear in the encoder's layers replaced by a `KernelLinear`, put back after."""
+    """While tracing the program: every nn.Linear in the encoder's layers replaced by a `KernelLinear`, put back
+    after."""
     targets = encoder_linears(base)
     try:
         for parent, name, layer in targets:

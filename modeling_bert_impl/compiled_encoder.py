@@ -152,7 +152,7 @@ def token_limit(base: BertImplModel) -> int | None:
     """The most tokens (batch x length) a call may have to run the program; None for no limit. On an AVX2 CPU (no
     AVX-512) the float32 program with oneDNN's products is faster than the eager path up to 64 tokens and slower beyond
     (an AVX2 Zen 3: 0.81x its time at 1 x 16, 1.00x at 1 x 64, 1.13x at 1 x 128, 1.17x at 16 x 128; RESULTS.md,
-    "sixth pass"); with our kernel's (avx2_gemm.py) up to 512 (0.88-0.92x at 1 x 128, 0.90x at 1 x 256, 0.95x at
+    "sixth pass"); with our kernel's (avx2_gemm.py) up to 512 (0.90-0.92x at 1 x 128, 0.90x at 1 x 256, 0.95x at
     4 x 128), and beyond that the two are within the noise (0.92-1.10x at 16 x 128, 0.99-1.04x at 64 x 128: RESULTS.md,
     "ninth pass"). On AVX-512 and in int8 it is faster at every size measured."""
     if torch.backends.cpu.get_cpu_capability() != "AVX2" or int8(base):
@@ -168,7 +168,8 @@ def cpu_instructions() -> str:
 
 def load_package(base: BertImplModel, package_path: str):
     """The package's program, loaded. Where `compile_package` would run the products through our AVX2 kernel
-    (avx2_gemm.py), the kernel is loaded first (built if it is not in the cache): a package compiled with it needs it."""
+    (avx2_gemm.py), the kernel is loaded first (built if it is not in the cache): a package compiled with it needs
+    it."""
     avx2_gemm.chosen(base)
     try:
         return torch._inductor.aoti_load_package(package_path)

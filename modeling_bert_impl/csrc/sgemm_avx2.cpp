@@ -72,7 +72,9 @@ at::Tensor sgemm(const at::Tensor& input, const at::Tensor& packed, const std::o
       alignas(32) float bias16[PANEL] = {0};
       if (b) std::memcpy(bias16, b + j * PANEL, ncols * sizeof(float));
       int64_t m = 0;
-      for (; m + ROWS <= M; m += ROWS) block<ROWS>(a + m * K, K, panel, next, bias16, out + m * N + j * PANEL, N, ncols);
+      for (; m + ROWS <= M; m += ROWS) {
+        block<ROWS>(a + m * K, K, panel, next, bias16, out + m * N + j * PANEL, N, ncols);
+      }
       const float* am = a + m * K;
       float* ym = out + m * N + j * PANEL;
       switch (M - m) {
