@@ -1,4 +1,4 @@
-"""The float32 program's products on an AVX2 CPU: a C++ kernel of our own, `bert_impl::sgemm` (csrc/sgemm_avx2.cpp).
+"""The program's products on an AVX2 CPU: C++ kernels of our own, `bert_impl::sgemm` and `qgemm` (csrc/sgemm_avx2.cpp).
 
 On an AVX2 CPU (no AVX-512) oneDNN's float32 products are what keeps a short query slower than ONNX Runtime: the 24
 products of all-MiniLM-L6-v2 on 16 rows take oneDNN 5.6-6.2 ms, ONNX Runtime's MLAS 3.3-3.7 ms (an AVX2 Zen 3, 2
@@ -6,15 +6,23 @@ threads, each engine alone: benchmarks/RESULTS.md, "ninth pass"). The kernel str
 is stored: packed into panels of 16 output columns (`pack`), each 6 rows x 16 columns of the output summed in AVX
 registers, the next panel fetched into the cache meanwhile, the panels split over the threads. In a compiled program the
 same 24 products took 4.1 ms at 16 rows (before the prefetch; ONNX Runtime 4.4, oneDNN 7.4 in that run) and 22.0 ms at
-128 (21.5, 26.8); the whole model answers a 16-token query in 3.66 ms and a 128-token one in 22.93 ms, ONNX Runtime in
-4.34 and 24.19 ms (bench_engines.py run X).
+128 (21.5, 26.8); the whole model answers a 16-token query in 3.66-4.78 ms (ONNX Runtime 4.34-5.24) and a 128-token one
+in 22.93-28.11 ms (24.19-26.70: level within the noise; bench_engines.py runs X and Y).
 
-`compile_for_inference` runs the float32 encoder's linear layers through it (`kernel_products`) where `chosen`: an
-AVX2 CPU on Linux x86-64, the kernel built. It is built once per torch release and source, with the C++ compiler that
-inductor uses (which compiling the program needs too: 11-16 s on 2 cores), into inductor's cache directory
-(`TORCHINDUCTOR_CACHE_DIR`), and loaded into the process (`load`). A package compiled with it needs it loaded to load:
-`compile_for_inference` builds or finds it first. Sums run over the input in order, one float32 FMA at a time: within
-1e-5 of F.linear's on the model's outputs (tests/test_avx2_gemm.py).
+int8 (`quantize_for_inference`): `bert_impl::qgemm` computes `Int8Linear`'s traced formulation in integers. Each row (in
+[-1, 1]) is quantized to uint8 as the formulation's quantize_per_tensor does, and the int8 weight is packed in panels of
+16 columns x 4 inputs (`pack_int8`). vpmaddubsw adds pairs of uint8 x int8 products in int16, which the 7-bit weights of
+a CPU without VNNI keep in range (`quantization.weight_levels`), and vpmaddwd sums the pairs into int32. It replaces
+oneDNN's non-VNNI int8 product, which repacked its weight on every call: the int8 program answers a 16-token query in
+3.05-3.25 ms, ONNX Runtime's int8 in 3.42-3.59 ms (was 5.21 against 2.96 with oneDNN's products).
+
+`compile_for_inference` runs the encoder's linear layers through them (`kernel_products`) where `chosen`: an AVX2 CPU on
+Linux x86-64, the kernels built (and, for int8, weights of 7 bits). They are built once per torch release and source,
+with the C++ compiler that inductor uses (which compiling the program needs too: 11-16 s on 2 cores), into inductor's
+cache directory (`TORCHINDUCTOR_CACHE_DIR`), and loaded into the process (`load`). A package compiled with them needs
+them loaded to load: `compile_for_inference` builds or finds them first. sgemm's sums run over the input in order, one
+float32 FMA at a time, qgemm's are exact integers: the programs' outputs are within 1e-5 of the eager paths'
+(tests/test_avx2_gemm.py).
 """
 
 import functools
@@ -31,11 +39,12 @@ import torch
 from torch import nn
 from torch.utils import cpp_extension
 
-from .quantization import encoder_linears
+from .quantization import Int8Linear, encoder_linears, weight_levels
 
 SOURCE = Path(__file__).with_name("csrc") / "sgemm_avx2.cpp"
 PANEL = 16  # output columns per panel (the C++ kernel's PANEL)
 OP = "bert_impl::sgemm"
+INT8_OP = "bert_impl::qgemm"
 
 
 def supported() -> bool:
@@ -46,9 +55,14 @@ def supported() -> bool:
 
 
 def chosen(base: nn.Module) -> bool:
-    """Whether the program of `base` (a float32 encoder: an int8 one has no nn.Linear left in its layers) runs its
-    products through the kernel: on a `supported` CPU, with the kernel built and loaded."""
-    return supported() and bool(encoder_linears(base)) and load() is None
+    """Whether the program of `base` runs its encoder products through the kernels: on a `supported` CPU, with the
+    kernels built and loaded; float32 layers through `sgemm`, int8 ones (`quantize_for_inference`) through `qgemm`
+    where their weights have 7 bits (`weight_levels`: the CPU has no VNNI, as an AVX2 one has not)."""
+    if not supported() or not (encoder_linears(base) or encoder_linears(base, Int8Linear)):
+        return False
+    if encoder_linears(base, Int8Linear) and weight_levels() != 63:
+        return False
+    return load() is None
 
 
 @functools.cache
@@ -59,6 +73,8 @@ def load() -> str | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return str(error)
     torch.library.register_fake(OP)(lambda x, packed, bias, out_features: x.new_empty(*x.shape[:-1], out_features))
+    torch.library.register_fake(INT8_OP)(lambda x, packed, sums, scale, out_features:
+                                         x.new_empty(*x.shape[:-1], out_features))
     return None
 
 
@@ -111,15 +127,42 @@ class KernelLinear(nn.Module):
         return torch.ops.bert_impl.sgemm(x, self.packed, self.bias, self.out_features)
 
 
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """(out, in) int8 -> (panels, ceil(in / 4), 16, 4): panel j holds output columns 16j..16j+15, each column's 4
+    consecutive weights side by side; zeros past `out` and `in`."""
+    out, inp = weight.shape
+    panels, fours = -(-out // PANEL), -(-inp // 4)
+    padded = weight.new_zeros(panels * PANEL, fours * 4)
+    padded[:out, :inp] = weight
+    return padded.view(panels, PANEL, fours, 4).permute(0, 2, 1, 3).contiguous()
+
+
+class KernelInt8Linear(Int8Linear):
+    """An Int8Linear whose product is the kernel's (`qgemm`: the traced formulation's arithmetic, in integers), on its
+    int8 weight packed once; the rest of its forward is Int8Linear's."""
+
+    def __init__(self, layer: Int8Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        for name in ("inv_smooth", "bias", "scale"):
+            self.register_buffer(name, getattr(layer, name), persistent=False)
+        self.register_buffer("packed", pack_int8(layer.weight_int8), persistent=False)
+        self.register_buffer("column_sums", layer.weight_int8.sum(1, dtype=torch.int32), persistent=False)
+
+    def product(self, x):  # (..., in) rows in [-1, 1] -> (..., out)
+        return torch.ops.bert_impl.qgemm(x, self.packed, self.column_sums, self.scale, self.out_features)
+
+
 @contextmanager
 def kernel_products(base: nn.Module):
-    """While tracing the program: every nn.Linear in the encoder's layers replaced by a `KernelLinear`, put back
-    after."""
-    targets = encoder_linears(base)
+    """While tracing the program: every nn.Linear in the encoder's layers replaced by a `KernelLinear`, every
+    Int8Linear by a `KernelInt8Linear`, put back after."""
+    targets = [(parent, name, layer, KernelLinear) for parent, name, layer in encoder_linears(base)]
+    targets += [(parent, name, layer, KernelInt8Linear) for parent, name, layer in encoder_linears(base, Int8Linear)]
     try:
-        for parent, name, layer in targets:
-            setattr(parent, name, KernelLinear(layer))
+        for parent, name, layer, kernel in targets:
+            setattr(parent, name, kernel(layer))
         yield
     finally:
-        for parent, name, layer in targets:
+        for parent, name, layer, _ in targets:
             setattr(parent, name, layer)

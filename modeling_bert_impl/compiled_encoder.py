@@ -13,9 +13,9 @@ longest, one run per group, so that the products skip nearly all the padding. Th
 and everything else (float32's padded batches, whose eager path is as fast; hidden states or attention maps asked for,
 packed batches, autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An
 int8 model (`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program on a CPU
-with AVX-512 VNNI (`INT8_CONFIGS`), oneDNN's elsewhere: there the program computes `Int8Linear`'s traced formulation,
-whose activations round a little differently from the eager int8 kernel's (and, on some shapes, the template's fused
-quantizing rounds a few differently again).
+with AVX-512 VNNI (`INT8_CONFIGS`), our int8 kernel on an AVX2 CPU (avx2_gemm.py), oneDNN's elsewhere: the program
+computes `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's
+(and, on some shapes, the template's fused quantizing rounds a few differently again).
 
 Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores; on an AVX2 CPU
 11-16 s more the first time, to build the kernel into inductor's cache), and the package, loaded, holds one more copy of
@@ -167,23 +167,24 @@ def cpu_instructions() -> str:
 
 
 def load_package(base: BertImplModel, package_path: str):
-    """The package's program, loaded. Where `compile_package` would run the products through our AVX2 kernel
-    (avx2_gemm.py), the kernel is loaded first (built if it is not in the cache): a package compiled with it needs
-    it."""
+    """The package's program, loaded. Where `compile_package` would run the products through our AVX2 kernels
+    (avx2_gemm.py), they are loaded first (built if they are not in the cache): a package compiled with them needs
+    them."""
     avx2_gemm.chosen(base)
     try:
         return torch._inductor.aoti_load_package(package_path)
     except RuntimeError as error:
-        if avx2_gemm.OP not in str(error):
+        missing = [op for op in (avx2_gemm.OP, avx2_gemm.INT8_OP) if op in str(error)]
+        if not missing:
             raise
         why = avx2_gemm.load() if avx2_gemm.supported() else "this CPU is not AVX2 on Linux x86-64"
-        raise ValueError(f"package_path: {package_path} runs bert-impl's AVX2 product kernel ({avx2_gemm.OP}), which "
+        raise ValueError(f"package_path: {package_path} runs bert-impl's AVX2 product kernel ({missing[0]}), which "
                          f"could not be loaded here ({why}); compile the model again here") from error
 
 
 def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str]):
     """Export the forward with batch and length dynamic, compile it with AOTInductor (weights frozen in oneDNN's
-    layout, or float32's on an AVX2 CPU in our kernel's panels: avx2_gemm.py), write the package and load it."""
+    layout, or on an AVX2 CPU in our kernels' panels: avx2_gemm.py), write the package and load it."""
     # (B, T) an example; the program takes any B >= 1, 2 <= T <= positions. Contiguous, as the program's inputs will be:
     # AOTInductor compiles for the example's strides (positions expanded over the batch would be read from row 0 only).
     ids = torch.ones(2, 8, dtype=torch.long)

@@ -19,9 +19,9 @@ How: linear_dynamic quantizes its input with one scale per call; dividing each r
 that one scale a per-token one, and the row's scale multiplies the output back (`Int8Linear.forward`).
 
 Faster still: `compile_for_inference(model)` after quantizing compiles the int8 encoder into one C++ program
-(compiled_encoder.py), whose products are inductor's C++ int8 GEMM (on CPUs with AVX-512 VNNI; oneDNN's elsewhere)
-on weights packed at compile time, with the quantizing and rescaling fused around them (`Int8Linear.forward`'s traced
-formulation).
+(compiled_encoder.py), whose products are inductor's C++ int8 GEMM on CPUs with AVX-512 VNNI, our own int8 kernel on
+AVX2 CPUs (avx2_gemm.py: `bert_impl::qgemm`, the same integers), oneDNN's elsewhere, on weights packed at compile time,
+with the quantizing and rescaling fused around them (`Int8Linear.forward`'s traced formulation).
 
 Inference only (no gradient flows through an `Int8Linear`); the heads and the pooler stay float32, on the packed path.
 The float32 weights of the replaced layers are dropped: save the model before quantizing it. Each replaced layer holds
@@ -134,24 +134,24 @@ class Int8Linear(nn.Module):
         # abs().amax(), not vector_norm(inf): that reduction ran 4x slower than abs + amax + div together
         row_max = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # (..., 1)
         x = x / row_max  # rows in [-1, 1]: one scale per call fits every token
+        return torch.addcmul(self.bias, self.product(x), row_max)
+
+    def product(self, x):  # (..., in) rows in [-1, 1] -> x W^T (..., out), W the int8 weight dequantized
         if untraced_inference():
-            y = torch.ops.quantized.linear_dynamic(x, self._packed[0], False)
-        else:
-            x = DECOMPOSED.dequantize_per_tensor(DECOMPOSED.quantize_per_tensor(x, *ROWS_UINT8), *ROWS_UINT8)
-            w = DECOMPOSED.dequantize_per_channel(self.weight_int8, self.scale, self.zero_point, 0, -128, 127,
-                                                  torch.int8)
-            y = F.linear(x, w)
-        return torch.addcmul(self.bias, y, row_max)
+            return torch.ops.quantized.linear_dynamic(x, self._packed[0], False)
+        x = DECOMPOSED.dequantize_per_tensor(DECOMPOSED.quantize_per_tensor(x, *ROWS_UINT8), *ROWS_UINT8)
+        w = DECOMPOSED.dequantize_per_channel(self.weight_int8, self.scale, self.zero_point, 0, -128, 127, torch.int8)
+        return F.linear(x, w)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def encoder_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, layer) for every nn.Linear inside the encoder layers."""
+def encoder_linears(model: nn.Module, kind: type = nn.Linear) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, layer) for every `kind` (nn.Linear, Int8Linear) inside the encoder layers."""
     base = getattr(model, model.base_model_prefix, model) if hasattr(model, "base_model_prefix") else model
     return [(parent, name, child) for parent in base.layers.modules() for name, child in parent.named_children()
-            if isinstance(child, nn.Linear)]
+            if isinstance(child, kind)]
 
 
 @torch.no_grad()

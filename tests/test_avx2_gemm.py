@@ -1,11 +1,12 @@
-"""avx2_gemm (modeling_bert_impl/avx2_gemm.py): the float32 program's products on an AVX2 CPU through our C++ kernel
-`bert_impl::sgemm`. Its products are float64's within float32's rounding on every shape the blocks and panels cut
-unevenly; the program compiled with it runs all the encoder's products through it with the eager path's outputs; the
-layers are put back after the trace; where the kernel cannot be built the program keeps oneDNN's products, and a
-package that needs it says so when it cannot be loaded.
+"""avx2_gemm (modeling_bert_impl/avx2_gemm.py): the program's products on an AVX2 CPU through our C++ kernels,
+`bert_impl::sgemm` (float32) and `bert_impl::qgemm` (int8). Their products are float64's within float32's rounding on
+every shape the blocks and panels cut unevenly (qgemm's: the traced int8 formulation's integers exactly); programs
+compiled with them run all the encoder's products through them with the eager path's outputs; the layers are put back
+after the trace; where the kernels cannot be built the program keeps oneDNN's products, and a package that needs them
+says so when they cannot be loaded.
 
-The kernel is AVX2 code: the module runs where the CPU has AVX2 (AVX-512 CPUs too, where the program would not choose
-it on its own), on Linux x86-64. One compile of a 2-layer model: 10-15 s on 2 cores."""
+The kernels are AVX2 code: the module runs where the CPU has AVX2 (AVX-512 CPUs too, where the program would not choose
+it on its own), on Linux x86-64. Three compiles of a 2-layer model: 10-15 s each on 2 cores."""
 
 import platform
 import sys
@@ -28,10 +29,10 @@ pytestmark = pytest.mark.skipif(not AVX2, reason="the kernel is AVX2 code for Li
 
 
 @pytest.fixture(scope="module")
-def sgemm():
+def ops():
     why = avx2_gemm.load()
     assert why is None, why  # inductor's C++ compiler builds it (the program needs that compiler as well)
-    return torch.ops.bert_impl.sgemm
+    return torch.ops.bert_impl
 
 
 def assert_float32_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
@@ -47,20 +48,20 @@ def assert_float32_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: t
 
 @pytest.mark.parametrize("M", [1, 5, 6, 7, 13, 16, 130])
 @pytest.mark.parametrize("K,N", [(1, 16), (7, 37), (384, 1152), (1536, 384)])
-def test_products_are_float64s_within_rounding(sgemm, M, K, N):
+def test_products_are_float64s_within_rounding(ops, M, K, N):
     """Rows in blocks of 6 (and the 1-5 left over), output columns in panels of 16 (37: a last panel of 5)."""
     generator = torch.Generator().manual_seed(M * 1000 + K + N)
     x, w, b = (torch.randn(*shape, generator=generator) for shape in ((M, K), (N, K), (N,)))
-    y = sgemm(x, avx2_gemm.pack(w), b, N)
+    y = ops.sgemm(x, avx2_gemm.pack(w), b, N)
     assert_float32_close(y, x, w, b)
     assert (y - F.linear(x, w, b)).abs().max().item() < 1e-4 * max(1.0, K ** 0.5)
 
 
-def test_leading_dimensions_strided_inputs_and_no_bias(sgemm):
+def test_leading_dimensions_strided_inputs_and_no_bias(ops):
     generator = torch.Generator().manual_seed(0)
     wide, w = torch.randn(2, 5, 60, generator=generator), torch.randn(37, 40, generator=generator)
     x = wide[..., 10:50]  # (2, 5, 40), not contiguous
-    y = sgemm(x, avx2_gemm.pack(w), None, 37)
+    y = ops.sgemm(x, avx2_gemm.pack(w), None, 37)
     assert y.shape == (2, 5, 37)
     assert_float32_close(y, x, w, None)
 
@@ -78,7 +79,7 @@ def small_model(seed: int = 0) -> bi.BertImplModel:
 
 
 @pytest.fixture(scope="module")
-def kernel_package(sgemm, tmp_path_factory):
+def kernel_package(ops, tmp_path_factory):
     """A package of the SMALL model compiled with the kernel's products."""
     path = tmp_path_factory.mktemp("kernel") / "small.pt2"
     with pytest.MonkeyPatch.context() as patch:
@@ -103,16 +104,19 @@ def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kerne
         assert (got[name] - expected[name]).abs().max().item() < 1e-5, name
 
 
-def test_without_the_kernel_the_program_keeps_onednns_products(sgemm, monkeypatch, tmp_path):
-    """Where it is not chosen (an AVX-512 CPU, or it could not be built: `load` says why), no call reaches it; an int8
-    model never chooses it (its layers are Int8Linear)."""
+def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch, tmp_path):
+    """Where it is not chosen (an AVX-512 CPU, or it could not be built: `load` says why), no call reaches it. An int8
+    model chooses it only where its weights have 7 bits (no VNNI): vpmaddubsw's int16 pair sums would saturate on 8."""
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
     monkeypatch.setattr(avx2_gemm, "load", lambda: "g++ could not build it")
     model = bi.compile_for_inference(small_model(), tmp_path / "onednn.pt2")
     assert kernel_calls(model, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
     monkeypatch.undo()
-    int8 = bi.quantize_for_inference(small_model(), [{"input_ids": torch.ones(2, 9, dtype=torch.long)}])
-    assert not avx2_gemm.chosen(int8) and avx2_gemm.chosen(small_model()) == avx2_gemm.supported()
+    monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
+    int8 = int8_model(small_model())
+    for levels, chosen in ((63, True), (127, False)):
+        monkeypatch.setattr(avx2_gemm, "weight_levels", lambda: levels)
+        assert avx2_gemm.chosen(int8) == chosen and avx2_gemm.chosen(small_model())
 
 
 def test_a_package_that_needs_the_kernel_says_so(kernel_package, monkeypatch):
@@ -141,3 +145,46 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match=rf"{compiler} could not build .*sgemm_avx2.cpp: no AVX2 here"):
         avx2_gemm.build()
     assert list((tmp_path / "cache" / "bert_impl").iterdir()) == []
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 130])
+@pytest.mark.parametrize("K,N", [(7, 37), (32, 16), (384, 1152), (1536, 384)])
+def test_int8_products_are_the_traced_formulations_in_integers(ops, M, K, N):
+    """qgemm's y = (q - 128) W^T * scale / 127, q = round(127 x) + 128 (to even, as the traced formulation's
+    quantize_per_tensor rounds), against the same sum in float64: exact integers, then at most a few float32
+    roundings. Rows in blocks of 4 and the 1-3 left, inputs 32 at a time and the rest, K not a multiple of 4."""
+    generator = torch.Generator().manual_seed(M * 1000 + K + N)
+    x = torch.rand(M, K, generator=generator) * 2 - 1
+    x = x / x.abs().amax(-1, keepdim=True)  # rows in [-1, 1], each reaching it: Int8Linear's input to its product
+    w = torch.randint(-63, 64, (N, K), generator=generator, dtype=torch.int8)
+    scale = torch.rand(N, generator=generator) / 100
+    y = ops.qgemm(x, avx2_gemm.pack_int8(w), w.sum(1, dtype=torch.int32), scale, N)
+    q = torch.round(x * 127).double()  # q - 128
+    expected = q @ w.double().T * scale.double() / 127
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    assert ((y.double() - expected).abs() <= 4 * torch.finfo(torch.float32).eps * expected.abs()).all()
+
+
+def int8_model(model: bi.BertImplModel) -> bi.BertImplModel:
+    return bi.quantize_for_inference(model, [{"input_ids": torch.randint(1, SMALL["vocab_size"], (8, 9),
+                                                                         generator=torch.Generator().manual_seed(3))}])
+
+
+def test_the_int8_program_runs_every_encoder_product_through_the_kernel(ops, monkeypatch, tmp_path):
+    """An int8 model with 7-bit weights: 8 qgemm calls a call, Int8Linear layers again after the trace, and the
+    outputs of the traced formulation run eagerly (the same integers, summed in floats there)."""
+    monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
+    monkeypatch.setattr(bi.quantization, "weight_levels", lambda: 63)  # as on a CPU without VNNI
+    monkeypatch.setattr(avx2_gemm, "weight_levels", lambda: 63)
+    model = bi.compile_for_inference(int8_model(small_model()), tmp_path / "int8.pt2")
+    assert [type(layer) for _, _, layer in bi.quantization.encoder_linears(model, bi.quantization.Int8Linear)] == [
+        bi.quantization.Int8Linear] * 8
+    ids = torch.randint(1, SMALL["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), torch.profiler.profile() as profile:
+        got = model(input_ids=ids)
+    assert sum(event.count for event in profile.key_averages() if event.key == avx2_gemm.INT8_OP) == 8
+    encoder, model.compiled_encoder = model.compiled_encoder, None
+    expected = model(input_ids=ids)  # gradients on: the traced formulation, eagerly
+    model.compiled_encoder = encoder
+    for name in ("last_hidden_state", "pooler_output"):
+        assert (got[name] - expected[name].detach()).abs().max().item() < 1e-5, name

@@ -1,8 +1,8 @@
-// bert_impl::sgemm: y = x W^T + b in float32 with AVX2 + FMA, for the products of the compiled program
-// (modeling_bert_impl/avx2_gemm.py says why and when). W comes packed by avx2_gemm.pack: (panels, in, 16), panel j
-// holding output columns 16j..16j+15 (zeros past the last), each input row's 16 weights side by side, so that a panel
-// streams from memory once, in order. Each block of 6 rows x 16 columns of y is summed in 12 AVX registers; the
-// panels are split over the threads.
+// bert_impl::sgemm: y = x W^T + b in float32 with AVX2 + FMA, and bert_impl::qgemm, its int8 counterpart (below), for
+// the products of the compiled program (modeling_bert_impl/avx2_gemm.py says why and when). W comes packed by
+// avx2_gemm.pack: (panels, in, 16), panel j holding output columns 16j..16j+15 (zeros past the last), each input row's
+// 16 weights side by side, so that a panel streams from memory once, in order. Each block of 6 rows x 16 columns of y
+// is summed in 12 AVX registers; the panels are split over the threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -89,8 +89,123 @@ at::Tensor sgemm(const at::Tensor& input, const at::Tensor& packed, const std::o
   return y;
 }
 
+// int8: y = (q - 128) W^T * scale / 127 with q = round(127 x) + 128 (uint8) for rows x in [-1, 1]: what Int8Linear's
+// traced formulation computes, its products in integers. W packed by avx2_gemm.pack_int8: (panels, in / 4, 16, 4),
+// each column's 4 consecutive weights side by side, so that one register holds 8 columns x 4 inputs. vpmaddubsw adds
+// pairs of uint8 x int8 products in int16, which holds for weights of 7 bits (255 x 63 x 2 < 32768:
+// quantization.weight_levels), vpmaddwd the pairs into int32.
+constexpr int QROWS = 4;  // 8 sums + 2 weights + input + ones + product: 13 AVX registers
+
+template <int R>
+inline void qblock(const uint8_t* a, int64_t K4, const int8_t* panel, const float* factor, const int32_t* offset,
+                   float* y, int64_t N, int64_t ncols) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i sum[R][2];
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K4; k++) {
+    __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * 64));
+    __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * 64 + 32));
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+      int32_t four;
+      std::memcpy(&four, a + r * K4 * 4 + k * 4, 4);
+      __m256i x = _mm256_set1_epi32(four);
+      sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(x, w0), ones));
+      sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(x, w1), ones));
+    }
+  }
+  const __m256i off0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset));
+  const __m256i off1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + 8));
+  const __m256 f0 = _mm256_loadu_ps(factor), f1 = _mm256_loadu_ps(factor + 8);
+  alignas(32) float last[PANEL];
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+    __m256 y0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][0], off0)), f0);
+    __m256 y1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][1], off1)), f1);
+    if (ncols == PANEL) {
+      _mm256_storeu_ps(y + r * N, y0);
+      _mm256_storeu_ps(y + r * N + 8, y1);
+    } else {
+      _mm256_store_ps(last, y0);
+      _mm256_store_ps(last + 8, y1);
+      std::memcpy(y + r * N, last, ncols * sizeof(float));
+    }
+  }
+}
+
+// q = round(127 x) + 128 (to even, as torch.round), saturated to [0, 255]: 32 at a time, then one by one
+void quantize_row(const float* x, int64_t K, uint8_t* q) {
+  const __m256 s = _mm256_set1_ps(127.0f);
+  const __m256i zero_point = _mm256_set1_epi32(128), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m256i v[4];
+    for (int i = 0; i < 4; i++) {  // _mm256_cvtps_epi32 rounds to nearest even
+      v[i] = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * i), s)), zero_point);
+    }
+    __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  for (; k < K; k++) q[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(x[k] * 127.0f) + 128.0f, 0.0f, 255.0f));
+}
+
+// (..., K) float32 in [-1, 1], (panels, ceil(K / 4), 16, 4) int8, (N,) int32 column sums, (N,) float32 scales, N
+// -> (..., N)
+at::Tensor qgemm(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& column_sums,
+                 const at::Tensor& scale, int64_t N) {
+  TORCH_CHECK(input.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar, "qgemm: float32 x, int8 W");
+  const int64_t K = input.size(-1), K4 = (K + 3) / 4;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + PANEL - 1) / PANEL && packed.size(1) == K4
+              && packed.size(2) == PANEL && packed.size(3) == 4 && packed.is_contiguous(),
+              "qgemm: packed weight of another shape");
+  TORCH_CHECK(column_sums.scalar_type() == at::kInt && column_sums.numel() == N && scale.numel() == N
+              && scale.scalar_type() == at::kFloat, "qgemm: column sums or scales of another size");
+  at::Tensor x = input.contiguous();
+  const int64_t M = K ? x.numel() / K : 0;
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor y = at::empty(sizes, x.options());
+  std::vector<uint8_t> q(M * K4 * 4, 0);  // the rows in uint8, zero past K (the packed weights are zero there)
+  const float* xs = x.const_data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) quantize_row(xs + i * K, K, q.data() + i * K4 * 4);
+  });
+  const int8_t* w = packed.const_data_ptr<int8_t>();
+  const int32_t* sums = column_sums.const_data_ptr<int32_t>();
+  const float* scales = scale.const_data_ptr<float>();
+  float* out = y.mutable_data_ptr<float>();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; j++) {
+      const int8_t* panel = w + j * K4 * 64;
+      const int64_t ncols = std::min(PANEL, N - j * PANEL);
+      alignas(32) float factor[PANEL] = {0};
+      alignas(32) int32_t offset[PANEL] = {0};
+      for (int64_t c = 0; c < ncols; c++) {
+        factor[c] = scales[j * PANEL + c] * (1.0f / 127.0f);
+        offset[c] = 128 * sums[j * PANEL + c];
+      }
+      int64_t m = 0;
+      for (; m + QROWS <= M; m += QROWS) {
+        qblock<QROWS>(q.data() + m * K4 * 4, K4, panel, factor, offset, out + m * N + j * PANEL, N, ncols);
+      }
+      const uint8_t* am = q.data() + m * K4 * 4;
+      float* ym = out + m * N + j * PANEL;
+      switch (M - m) {
+        case 3: qblock<3>(am, K4, panel, factor, offset, ym, N, ncols); break;
+        case 2: qblock<2>(am, K4, panel, factor, offset, ym, N, ncols); break;
+        case 1: qblock<1>(am, K4, panel, factor, offset, ym, N, ncols); break;
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(bert_impl, m) { m.def("sgemm(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor"); }
+TORCH_LIBRARY(bert_impl, m) {
+  m.def("sgemm(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("qgemm(Tensor x, Tensor packed, Tensor column_sums, Tensor scale, int out_features) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(bert_impl, CPU, m) { m.impl("sgemm", sgemm); }
+TORCH_LIBRARY_IMPL(bert_impl, CPU, m) {
+  m.impl("sgemm", sgemm);
+  m.impl("qgemm", qgemm);
+}
