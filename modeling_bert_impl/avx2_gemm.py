@@ -67,7 +67,7 @@ def chosen(base: nn.Module) -> bool:
 
 @functools.cache
 def load() -> str | None:
-    """Build the kernel if it is not in the cache and load it; None when loaded, else why it could not be."""
+    """Build the kernels if they are not in the cache and load them; None when loaded, else why they could not be."""
     try:
         torch.ops.load_library(build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
@@ -79,7 +79,7 @@ def load() -> str | None:
 
 
 def build() -> str:
-    """The kernel's shared library in inductor's cache directory, compiled there first if it is not: its name holds a
+    """The kernels' shared library in inductor's cache directory, compiled there first if it is not: its name holds a
     hash of the source, the torch release and the flags. Written to a temporary name and renamed, so that processes
     building it at once never load half a file."""
     from torch._inductor.cpp_builder import get_cpp_compiler
