@@ -4,9 +4,9 @@ A single short query is where eager PyTorch loses to ONNX Runtime: at batch 1 x 
 take 2.9 ms, and the dozen other operations of each layer, each dispatched from Python, add 2 ms more even on the fused
 path (fused_layers.py). `compile_for_inference` exports the encoder's forward on a batch and its attention mask
 (`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a package
-(.pt2): one C++ program with the weights frozen in oneDNN's layout (float32 on an AVX2 CPU: in the panels of our own
-product kernel, avx2_gemm.py, faster there than oneDNN's), the small operations fused into loops, no Python between
-them. BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch without
+(.pt2): one C++ program with the weights frozen in oneDNN's layout (on an AVX2 CPU: in the panels of our own product
+kernels, avx2_gemm.py, faster there than oneDNN's), the small operations fused into loops, no Python between them.
+BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch without
 padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8 model a padded one too, as
 the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into groups padded to their
 longest, one run per group, so that the products skip nearly all the padding. The heads run on its outputs as before,
@@ -18,11 +18,11 @@ computes `Int8Linear`'s traced formulation, whose activations round a little dif
 (and, on some shapes, the template's fused quantizing rounds a few differently again).
 
 Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores; on an AVX2 CPU
-11-16 s more the first time, to build the kernel into inductor's cache), and the package, loaded, holds one more copy of
-the encoder's weights (93 MB there). Compile once, keep the package, and load it in the serving processes: a
+11-16 s more the first time, to build the kernels into inductor's cache), and the package, loaded, holds one more copy
+of the encoder's weights (93 MB there). Compile once, keep the package, and load it in the serving processes: a
 `package_path` that exists is loaded, after checking that it was compiled from these weights with this torch for this
-CPU's vector instructions (its code uses them), never written over. A package compiled with the kernel needs it where it
-is loaded: built there (the same compiler) or found in the cache.
+CPU's vector instructions (its code uses them), never written over. A package compiled with the kernels needs them where
+it is loaded: built there (the same compiler) or found in the cache.
 """
 
 import hashlib
