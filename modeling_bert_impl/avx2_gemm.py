@@ -58,9 +58,8 @@ def chosen(base: nn.Module) -> bool:
     """Whether the program of `base` runs its encoder products through the kernels: on a `supported` CPU, with the
     kernels built and loaded; float32 layers through `sgemm`, int8 ones (`quantize_for_inference`) through `qgemm`
     where their weights have 7 bits (`weight_levels`: the CPU has no VNNI, as an AVX2 one has not)."""
-    if not supported() or not (encoder_linears(base) or encoder_linears(base, Int8Linear)):
-        return False
-    if encoder_linears(base, Int8Linear) and weight_levels() != 63:
+    int8 = encoder_linears(base, Int8Linear)
+    if not supported() or not (encoder_linears(base) or int8) or (int8 and weight_levels() != 63):
         return False
     return load() is None
 

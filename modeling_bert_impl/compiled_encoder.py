@@ -170,7 +170,7 @@ def load_package(base: BertImplModel, package_path: str):
     """The package's program, loaded. Where `compile_package` would run the products through our AVX2 kernels
     (avx2_gemm.py), they are loaded first (built if they are not in the cache): a package compiled with them needs
     them."""
-    avx2_gemm.chosen(base)
+    avx2_gemm.chosen(base)  # loads the kernels where the program would run them
     try:
         return torch._inductor.aoti_load_package(package_path)
     except RuntimeError as error:

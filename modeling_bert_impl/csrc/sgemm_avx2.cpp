@@ -11,11 +11,42 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
 constexpr int64_t PANEL = 16;  // output columns per panel: two AVX registers
 constexpr int ROWS = 6;        // rows per block: 12 sums + 2 weights + 1 input in the 16 AVX registers
+
+// run(rows, m) for each block of R rows of M from row m (rows a std::integral_constant<int, R>), then once for the
+// 1..R-1 rows left, with their number
+template <int R, typename Run>
+inline void rows_left(int64_t left, int64_t m, Run run) {
+  if constexpr (R > 0) {
+    if (left == R) return run(std::integral_constant<int, R>{}, m);
+    rows_left<R - 1>(left, m, run);
+  }
+}
+
+template <int R, typename Run>
+inline void in_blocks(int64_t M, Run run) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R) run(std::integral_constant<int, R>{}, m);
+  rows_left<R - 1>(M - m, m, run);
+}
+
+// y[:ncols] = the 16 floats of lo, hi: all of them, or the first ncols of the last panel of an N not a multiple of 16
+inline void store16(float* y, __m256 lo, __m256 hi, int64_t ncols) {
+  if (ncols == PANEL) {
+    _mm256_storeu_ps(y, lo);
+    _mm256_storeu_ps(y + 8, hi);
+    return;
+  }
+  alignas(32) float last[PANEL];
+  _mm256_store_ps(last, lo);
+  _mm256_store_ps(last + 8, hi);
+  std::memcpy(y, last, ncols * sizeof(float));
+}
 
 // y[r, :ncols] = bias + sum_k a[r, k] * panel[k, :] for the R rows of a block, fetching `next` (the panel after this
 // one) into the cache meanwhile: the product then waits for memory only on its first panel
@@ -36,17 +67,7 @@ inline void block(const float* a, int64_t K, const float* panel, const float* ne
       sum[r][1] = _mm256_fmadd_ps(x, w1, sum[r][1]);
     }
   }
-  alignas(32) float last[PANEL];
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
-    if (ncols == PANEL) {
-      _mm256_storeu_ps(y + r * N, sum[r][0]);
-      _mm256_storeu_ps(y + r * N + 8, sum[r][1]);
-    } else {  // the last panel of an N that is not a multiple of 16
-      _mm256_store_ps(last, sum[r][0]);
-      _mm256_store_ps(last + 8, sum[r][1]);
-      std::memcpy(y + r * N, last, ncols * sizeof(float));
-    }
-  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) store16(y + r * N, sum[r][0], sum[r][1], ncols);
 }
 
 // (..., K) float32, (panels, K, 16), (N,) or none, N -> (..., N)
@@ -71,19 +92,9 @@ at::Tensor sgemm(const at::Tensor& input, const at::Tensor& packed, const std::o
       const int64_t ncols = std::min(PANEL, N - j * PANEL);
       alignas(32) float bias16[PANEL] = {0};
       if (b) std::memcpy(bias16, b + j * PANEL, ncols * sizeof(float));
-      int64_t m = 0;
-      for (; m + ROWS <= M; m += ROWS) {
-        block<ROWS>(a + m * K, K, panel, next, bias16, out + m * N + j * PANEL, N, ncols);
-      }
-      const float* am = a + m * K;
-      float* ym = out + m * N + j * PANEL;
-      switch (M - m) {
-        case 5: block<5>(am, K, panel, next, bias16, ym, N, ncols); break;
-        case 4: block<4>(am, K, panel, next, bias16, ym, N, ncols); break;
-        case 3: block<3>(am, K, panel, next, bias16, ym, N, ncols); break;
-        case 2: block<2>(am, K, panel, next, bias16, ym, N, ncols); break;
-        case 1: block<1>(am, K, panel, next, bias16, ym, N, ncols); break;
-      }
+      in_blocks<ROWS>(M, [&](auto rows, int64_t m) {
+        block<rows.value>(a + m * K, K, panel, next, bias16, out + m * N + j * PANEL, N, ncols);
+      });
     }
   });
   return y;
@@ -116,18 +127,9 @@ inline void qblock(const uint8_t* a, int64_t K4, const int8_t* panel, const floa
   const __m256i off0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset));
   const __m256i off1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + 8));
   const __m256 f0 = _mm256_loadu_ps(factor), f1 = _mm256_loadu_ps(factor + 8);
-  alignas(32) float last[PANEL];
   _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
-    __m256 y0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][0], off0)), f0);
-    __m256 y1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][1], off1)), f1);
-    if (ncols == PANEL) {
-      _mm256_storeu_ps(y + r * N, y0);
-      _mm256_storeu_ps(y + r * N + 8, y1);
-    } else {
-      _mm256_store_ps(last, y0);
-      _mm256_store_ps(last + 8, y1);
-      std::memcpy(y + r * N, last, ncols * sizeof(float));
-    }
+    store16(y + r * N, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][0], off0)), f0),
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][1], off1)), f1), ncols);
   }
 }
 
@@ -182,17 +184,9 @@ at::Tensor qgemm(const at::Tensor& input, const at::Tensor& packed, const at::Te
         factor[c] = scales[j * PANEL + c] * (1.0f / 127.0f);
         offset[c] = 128 * sums[j * PANEL + c];
       }
-      int64_t m = 0;
-      for (; m + QROWS <= M; m += QROWS) {
-        qblock<QROWS>(q.data() + m * K4 * 4, K4, panel, factor, offset, out + m * N + j * PANEL, N, ncols);
-      }
-      const uint8_t* am = q.data() + m * K4 * 4;
-      float* ym = out + m * N + j * PANEL;
-      switch (M - m) {
-        case 3: qblock<3>(am, K4, panel, factor, offset, ym, N, ncols); break;
-        case 2: qblock<2>(am, K4, panel, factor, offset, ym, N, ncols); break;
-        case 1: qblock<1>(am, K4, panel, factor, offset, ym, N, ncols); break;
-      }
+      in_blocks<QROWS>(M, [&](auto rows, int64_t m) {
+        qblock<rows.value>(q.data() + m * K4 * 4, K4, panel, factor, offset, out + m * N + j * PANEL, N, ncols);
+      });
     }
   });
   return y;
@@ -200,7 +194,8 @@ at::Tensor qgemm(const at::Tensor& input, const at::Tensor& packed, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY(bert_impl, m) {
+// a fragment: bert_padding.py defines other bert_impl operators from Python
+TORCH_LIBRARY_FRAGMENT(bert_impl, m) {
   m.def("sgemm(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("qgemm(Tensor x, Tensor packed, Tensor column_sums, Tensor scale, int out_features) -> Tensor");
 }
