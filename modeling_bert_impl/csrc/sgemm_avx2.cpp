@@ -107,6 +107,24 @@ at::Tensor sgemm(const at::Tensor& input, const at::Tensor& packed, const std::o
 // quantization.weight_levels), vpmaddwd the pairs into int32.
 constexpr int QROWS = 4;  // 8 sums + 2 weights + input + ones + product: 13 AVX registers
 
+using four_bytes = int32_t __attribute__((may_alias));  // a row's 4 uint8 inputs, read as one
+
+// s0 += madd(maddubs(x, w0), ones), s1 += madd(maddubs(x, w1), ones), x the 4 inputs at `a` in each 32-bit lane.
+// Written in assembly: from the same steps as intrinsics, GCC 12 keeps one of qblock's 8 sums on the stack and
+// interleaves the rows into 8 live products, 1.21-1.39x the time of this (alternating, 16 to 2,048 rows).
+inline void qstep(__m256i& s0, __m256i& s1, const uint8_t* a, __m256i w0, __m256i w1, __m256i ones) {
+  __m256i x, t;
+  __asm__("vpbroadcastd %[a], %[x]\n\t"
+          "vpmaddubsw %[w0], %[x], %[t]\n\t"  // t = pairs of x (uint8) * w0 (int8) summed in int16
+          "vpmaddubsw %[w1], %[x], %[x]\n\t"
+          "vpmaddwd %[ones], %[t], %[t]\n\t"  // and those pairs summed in int32
+          "vpmaddwd %[ones], %[x], %[x]\n\t"
+          "vpaddd %[t], %[s0], %[s0]\n\t"
+          "vpaddd %[x], %[s1], %[s1]"
+          : [s0] "+x"(s0), [s1] "+x"(s1), [t] "=&x"(t), [x] "=&x"(x)
+          : [a] "m"(*reinterpret_cast<const four_bytes*>(a)), [w0] "x"(w0), [w1] "x"(w1), [ones] "x"(ones));
+}
+
 template <int R>
 inline void qblock(const uint8_t* a, int64_t K4, const int8_t* panel, const float* factor, const int32_t* offset,
                    float* y, int64_t N, int64_t ncols) {
@@ -117,11 +135,7 @@ inline void qblock(const uint8_t* a, int64_t K4, const int8_t* panel, const floa
     __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * 64));
     __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * 64 + 32));
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
-      int32_t four;
-      std::memcpy(&four, a + r * K4 * 4 + k * 4, 4);
-      __m256i x = _mm256_set1_epi32(four);
-      sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(x, w0), ones));
-      sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(x, w1), ones));
+      qstep(sum[r][0], sum[r][1], a + r * K4 * 4 + k * 4, w0, w1, ones);
     }
   }
   const __m256i off0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset));
