@@ -5,7 +5,8 @@ take 2.9 ms, and the dozen other operations of each layer, each dispatched from 
 path (fused_layers.py). `compile_for_inference` exports the encoder's forward on a batch and its attention mask
 (`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a package
 (.pt2): one C++ program with the weights frozen in oneDNN's layout (on an AVX2 CPU: in the panels of our own product
-kernels, avx2_gemm.py, faster there than oneDNN's), the small operations fused into loops, no Python between them.
+and attention kernels, avx2_gemm.py, faster there than oneDNN's and SDPA), the small operations fused into loops, no
+Python between them.
 BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch without
 padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8 model a padded one too, as
 the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into groups padded to their
@@ -167,18 +168,18 @@ def cpu_instructions() -> str:
 
 
 def load_package(base: BertImplModel, package_path: str):
-    """The package's program, loaded. Where `compile_package` would run the products through our AVX2 kernels
-    (avx2_gemm.py), they are loaded first (built if they are not in the cache): a package compiled with them needs
-    them."""
+    """The package's program, loaded. Where `compile_package` would run the products and attention through our AVX2
+    kernels (avx2_gemm.py), they are loaded first (built if they are not in the cache): a package compiled with them
+    needs them."""
     avx2_gemm.chosen(base)  # loads the kernels where the program would run them
     try:
         return torch._inductor.aoti_load_package(package_path)
     except RuntimeError as error:
-        missing = [op for op in (avx2_gemm.OP, avx2_gemm.INT8_OP) if op in str(error)]
+        missing = [op for op in avx2_gemm.OPS if op in str(error)]
         if not missing:
             raise
         why = avx2_gemm.load() if avx2_gemm.supported() else "this CPU is not AVX2 on Linux x86-64"
-        raise ValueError(f"package_path: {package_path} runs bert-impl's AVX2 product kernel ({missing[0]}), which "
+        raise ValueError(f"package_path: {package_path} runs bert-impl's AVX2 kernel {missing[0]}, which "
                          f"could not be loaded here ({why}); compile the model again here") from error
 
 
@@ -193,8 +194,8 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
     configs = {"freezing": True, "aot_inductor.metadata": metadata, **gemm_configs(base)}
-    products = avx2_gemm.kernel_products(base) if avx2_gemm.chosen(base) else nullcontext()
-    with torch.no_grad(), products:
+    kernels = avx2_gemm.kernel_modules(base) if avx2_gemm.chosen(base) else nullcontext()
+    with torch.no_grad(), kernels:
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4 + (None,))
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,

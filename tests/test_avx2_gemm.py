@@ -1,12 +1,13 @@
-"""avx2_gemm (modeling_bert_impl/avx2_gemm.py): the program's products on an AVX2 CPU through our C++ kernels,
-`bert_impl::sgemm` (float32) and `bert_impl::qgemm` (int8). Their products are float64's within float32's rounding on
-every shape the blocks and panels cut unevenly (qgemm's: the traced int8 formulation's integers exactly); programs
-compiled with them run all the encoder's products through them with the eager path's outputs; the layers are put back
-after the trace; where the kernels cannot be built the program keeps oneDNN's products, and a package that needs them
-says so when they cannot be loaded.
+"""avx2_gemm (modeling_bert_impl/avx2_gemm.py): the program's products and attention on an AVX2 CPU through our C++
+kernels, `bert_impl::sgemm` (float32), `bert_impl::qgemm` (int8) and `bert_impl::attention`. Their products are
+float64's within float32's rounding on every shape the blocks and panels cut unevenly (qgemm's: the traced int8
+formulation's integers exactly), and the attention is float64's within 3 times the error of torch's own float32 SDPA;
+programs compiled with them run all the encoder's products and attention through them with the eager path's outputs;
+the layers are put back after the trace; where the kernels cannot be built the program keeps oneDNN's products and
+SDPA, and a package that needs them says so when they cannot be loaded.
 
 The kernels are AVX2 code: the module runs where the CPU has AVX2 (AVX-512 CPUs too, where the program would not choose
-it on its own), on Linux x86-64. Three compiles of a 2-layer model: 10-15 s each on 2 cores."""
+them on its own), on Linux x86-64. Three compiles of a 2-layer model: 10-15 s each on 2 cores."""
 
 import platform
 import sys
@@ -66,11 +67,55 @@ def test_leading_dimensions_strided_inputs_and_no_bias(ops):
     assert_float32_close(y, x, w, None)
 
 
-def kernel_calls(model, **inputs) -> int:
-    """How many times the kernel runs in one call of the model (the profiler sees the program's operators)."""
+def kernel_calls(model, op: str = avx2_gemm.OP, **inputs) -> int:
+    """How many times the kernel `op` runs in one call of the model (the profiler sees the program's operators)."""
     with torch.no_grad(), torch.profiler.profile() as profile:
         model(**inputs)
-    return sum(event.count for event in profile.key_averages() if event.key == avx2_gemm.OP)
+    return sum(event.count for event in profile.key_averages() if event.key == op)
+
+
+def reference_attention(qkv: torch.Tensor, keep: torch.Tensor | None, heads: int, dtype=torch.float64):
+    """softmax(q k^T / sqrt(D), keys not kept masked) v by torch's SDPA in `dtype`: (B, T, 3 N D) -> (B, T, N D)."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.to(dtype).unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)  # each (B, N, T, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(B, T, -1)
+
+
+@pytest.mark.parametrize("B,T,heads,D", [(1, 16, 12, 32), (2, 37, 4, 8), (3, 130, 2, 64), (1, 2, 3, 20)])
+@pytest.mark.parametrize("mask", ["none", "padding", "random", "additive"])
+def test_attention_is_float64s_within_sdpas_rounding(ops, B, T, heads, D, mask):
+    """Queries in chunks of 64 and blocks of 6, keys in panels of 16 (37, 130: a last one cut short), head sizes not a
+    multiple of 16 (8, 20); keep masks of padded keys (B, 1, 1, T), of random keys per query (B, 1, T, T), and eager
+    attention's additive mask (0 or the dtype's minimum) as KernelAttention passes it on."""
+    generator = torch.Generator().manual_seed(B * 1000 + T + heads + D)
+    qkv = torch.randn(B, T, 3 * heads * D, generator=generator) * 2
+    keep = None
+    if mask == "padding":
+        lengths = torch.randint(1, T + 1, (B,), generator=generator)
+        keep = (torch.arange(T) < lengths[:, None])[:, None, None, :]  # (B, 1, 1, T)
+    elif mask in ("random", "additive"):
+        keep = torch.rand(B, 1, T, T, generator=generator) < 0.7
+        keep[..., 0] = True  # each query keeps a key
+    given = keep
+    if mask == "additive":
+        given = torch.zeros(B, 1, T, T).masked_fill(~keep, torch.finfo(torch.float32).min) == 0
+    y = ops.attention(qkv, given, heads, D ** -0.5)
+    expected = reference_attention(qkv, keep, heads)
+    error = (y.double() - expected).abs().max().item()
+    sdpa_error = (reference_attention(qkv, keep, heads, torch.float32).double() - expected).abs().max().item()
+    assert y.shape == (B, T, heads * D) and y.dtype == torch.float32
+    assert error <= 3 * sdpa_error + 1e-6, (error, sdpa_error)
+
+
+def test_a_query_that_keeps_no_key_gets_zeros(ops):
+    """(the program never asks: a row of padding only takes the eager path) rather than SDPA's NaN."""
+    qkv = torch.randn(1, 5, 3 * 2 * 4, generator=torch.Generator().manual_seed(0))
+    keep = torch.ones(1, 1, 5, 5, dtype=torch.bool)
+    keep[0, 0, 2] = False
+    y = ops.attention(qkv, keep, 2, 4 ** -0.5)
+    assert (y[0, 2] == 0).all()
+    others = [0, 1, 3, 4]
+    assert (y[0, others].double() - reference_attention(qkv, None, 2)[0, others]).abs().max().item() < 1e-5
 
 
 def small_model(seed: int = 0) -> bi.BertImplModel:
@@ -89,12 +134,14 @@ def kernel_package(ops, tmp_path_factory):
 
 
 def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kernel_package):
-    """8 products (2 layers x qkv, out, up, down) a call, the pooler's left to oneDNN; the layers are nn.Linear again
-    after the trace; the outputs are the eager path's."""
+    """8 products (2 layers x qkv, out, up, down) and 2 attentions a call, the pooler's product left to oneDNN; the
+    layers are nn.Linear and BertImplAttention again after the trace; the outputs are the eager path's."""
     model, _ = kernel_package
     assert [type(layer) for _, _, layer in bi.quantization.encoder_linears(model)] == [nn.Linear] * 8
+    assert [type(layer.attn) for layer in model.layers] == [bi.modeling_bert_impl.BertImplAttention] * 2
     ids = torch.randint(1, SMALL["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(1))
     assert kernel_calls(model, input_ids=ids) == 8
+    assert kernel_calls(model, avx2_gemm.ATTENTION_OP, input_ids=ids) == 2
     with torch.no_grad():
         got = model(input_ids=ids)
         encoder, model.compiled_encoder = model.compiled_encoder, None
@@ -110,7 +157,8 @@ def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch,
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
     monkeypatch.setattr(avx2_gemm, "load", lambda: "g++ could not build it")
     model = bi.compile_for_inference(small_model(), tmp_path / "onednn.pt2")
-    assert kernel_calls(model, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
+    for op in avx2_gemm.OPS:
+        assert kernel_calls(model, op, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
     monkeypatch.undo()
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
     int8 = int8_model(small_model())
@@ -130,7 +178,7 @@ def test_a_package_that_needs_the_kernel_says_so(kernel_package, monkeypatch):
         raise RuntimeError("Could not find schema for bert_impl::sgemm.")
 
     monkeypatch.setattr(torch._inductor, "aoti_load_package", unregistered)
-    with pytest.raises(ValueError, match=rf"{path} runs bert-impl's AVX2 product kernel .*g\+\+ could not build it"):
+    with pytest.raises(ValueError, match=rf"{path} runs bert-impl's AVX2 kernel bert_impl::sgemm, .*g\+\+ could not"):
         bi.compile_for_inference(small_model(), path)
 
 

@@ -1,5 +1,6 @@
-// bert_impl::sgemm: y = x W^T + b in float32 with AVX2 + FMA, and bert_impl::qgemm, its int8 counterpart (below), for
-// the products of the compiled program (modeling_bert_impl/avx2_gemm.py says why and when). W comes packed by
+// bert_impl::sgemm: y = x W^T + b in float32 with AVX2 + FMA, bert_impl::qgemm, its int8 counterpart, for the products
+// of the compiled program, and bert_impl::attention, its self-attention on sgemm's blocks (both below;
+// modeling_bert_impl/avx2_gemm.py says why and when). W comes packed by
 // avx2_gemm.pack: (panels, in, 16), panel j holding output columns 16j..16j+15 (zeros past the last), each input row's
 // 16 weights side by side, so that a panel streams from memory once, in order. Each block of 6 rows x 16 columns of y
 // is summed in 12 AVX registers; the panels are split over the threads.
@@ -11,6 +12,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
 #include <type_traits>
 
 namespace {
@@ -206,15 +210,148 @@ at::Tensor qgemm(const at::Tensor& input, const at::Tensor& packed, const at::Te
   return y;
 }
 
+// Attention: softmax(q k^T * scaling, masked) v for each head, from the fused product's (B, T, 3, N, D) q, k, v.
+// Per head and chunk of up to QCHUNK queries: k packed as the panels of a weight (keys as output columns, zeros past
+// T), the queries' scores by `block` (6 queries x 16 keys at a time), each row's softmax in place, then the chunk's
+// output by `block` again over v packed the same way (its D columns as output columns, each key a step of the sum).
+constexpr int64_t QCHUNK = 64;  // queries per task: a chunk's scores stay in L2 up to 512 keys (128 KB)
+
+// e^x for x <= 0 (Cephes' expf: x = n ln 2 + r, e^r by its degree-7 polynomial, 2^n in the exponent bits); within 2
+// float32 ulp of e^x down to -87.3, and 0 below, where e^x is no longer a normal float32
+inline __m256 exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.3f);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), _mm256_max_ps(x, low));
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  }
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), _mm256_cmp_ps(x, low, _CMP_GE_OQ));
+}
+
+// s[:Tp] = softmax of s[:T] where keep (every key when keep is null), 0 elsewhere; a row that keeps no key gives 0s
+inline void softmax_row(float* s, int64_t T, int64_t Tp, const bool* keep) {
+  const __m256 none = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 top = none;
+  for (int64_t j = 0; j < Tp; j += 8) {  // scores past T and of keys not kept to -inf, and their maximum
+    __m256i out = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(T - j)), lane);  // j + lane < T
+    if (keep && j < T) {
+      int64_t eight = 0;  // the 8 bools, those past T left 0
+      if (j + 8 <= T) std::memcpy(&eight, keep + j, 8);
+      else std::memcpy(&eight, keep + j, T - j);
+      const __m256i kept = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+      out = _mm256_andnot_si256(_mm256_cmpeq_epi32(kept, _mm256_setzero_si256()), out);
+    }
+    const __m256 v = _mm256_blendv_ps(none, _mm256_loadu_ps(s + j), _mm256_castsi256_ps(out));
+    _mm256_storeu_ps(s + j, v);
+    top = _mm256_max_ps(top, v);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  const float most = *std::max_element(lanes, lanes + 8);
+  if (most == -std::numeric_limits<float>::infinity()) return (void)std::fill(s, s + Tp, 0.0f);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < Tp; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(most)));
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  _mm256_store_ps(lanes, total);
+  const __m256 inverse = _mm256_set1_ps(1.0f / std::accumulate(lanes, lanes + 8, 0.0f));
+  for (int64_t j = 0; j < Tp; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inverse));
+}
+
+// (B, T, 3 N D) float32, keep: bool (B | 1, 1, T | 1, T) or none, N, scaling -> (B, T, N D)
+at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& keep, int64_t heads, double scaling) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0,
+              "attention: (B, T, 3 N D) float32");
+  const int64_t B = qkv.size(0), T = qkv.size(1), H = qkv.size(2) / 3, D = H / heads;
+  const int64_t Tp = (T + PANEL - 1) / PANEL * PANEL, Dp = (D + PANEL - 1) / PANEL * PANEL;  // 16 columns a panel
+  at::Tensor mask;
+  int64_t steps[2] = {0, 0};  // keep's strides over batch and query (0 where broadcast)
+  if (keep.has_value()) {
+    TORCH_CHECK(keep->scalar_type() == at::kBool && keep->dim() == 4 && keep->size(1) == 1 && keep->size(3) == T
+                && (keep->size(0) == B || keep->size(0) == 1) && (keep->size(2) == T || keep->size(2) == 1),
+                "attention: keep is a bool (B | 1, 1, T | 1, T)");
+    mask = keep->stride(3) == 1 ? *keep : keep->contiguous();  // each query's keys side by side
+    for (int i = 0; i < 2; i++) steps[i] = mask.size(2 * i) == 1 ? 0 : mask.stride(2 * i);
+  }
+  at::Tensor x = qkv.contiguous();
+  at::Tensor y = at::empty({B, T, H}, x.options());
+  const float* in = x.const_data_ptr<float>();
+  const bool* kept = keep.has_value() ? mask.const_data_ptr<bool>() : nullptr;
+  float* out = y.mutable_data_ptr<float>();
+  const int64_t chunks = (T + QCHUNK - 1) / QCHUNK;
+  at::parallel_for(0, B * heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> keys(Tp * D, 0.0f), values(Dp * Tp, 0.0f), queries(QCHUNK * D), scores(QCHUNK * Tp);
+    alignas(32) const float zeros[PANEL] = {0};
+    int64_t packed = -1;  // the head whose keys and values are packed
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t bh = task / chunks, b = bh / heads, h = bh % heads, first = task % chunks * QCHUNK;
+      const int64_t rows = std::min(QCHUNK, T - first);
+      const float* head = in + b * T * 3 * H + h * D;  // q of token t at head + t 3H, k at + H, v at + 2H
+      if (bh != packed) {  // keys: (Tp / 16, D, 16), 16 keys side by side; values: (Dp / 16, Tp, 16)
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for (int64_t t = 0; t < Tp; t += 8) {  // keys t..t+7 (those past T repeat key T - 1: their scores are masked)
+          const __m256i rows = _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(t), lane), _mm256_set1_epi32(T - 1));
+          const __m256i at = _mm256_mullo_epi32(rows, _mm256_set1_epi32(3 * H));
+          float* panel = keys.data() + t / PANEL * D * PANEL + t % PANEL;
+          for (int64_t d = 0; d < D; d++) _mm256_storeu_ps(panel + d * PANEL, _mm256_i32gather_ps(head + H + d, at, 4));
+        }
+        for (int64_t t = 0; t < T; t++) {
+          const float* value = head + t * 3 * H + 2 * H;
+          for (int64_t d = 0; d < D; d += PANEL) {
+            float* to = values.data() + (d / PANEL * Tp + t) * PANEL;
+            if (d + PANEL <= D) {
+              _mm256_storeu_ps(to, _mm256_loadu_ps(value + d));
+              _mm256_storeu_ps(to + 8, _mm256_loadu_ps(value + d + 8));
+            } else {
+              std::copy(value + d, value + D, to);
+            }
+          }
+        }
+        packed = bh;
+      }
+      const float scale = static_cast<float>(scaling);
+      for (int64_t i = 0; i < rows; i++) {
+        for (int64_t d = 0; d < D; d++) queries[i * D + d] = head[(first + i) * 3 * H + d] * scale;
+      }
+      for (int64_t j = 0; j < Tp / PANEL; j++) {  // scores (rows, Tp)
+        in_blocks<ROWS>(rows, [&](auto r, int64_t m) {
+          block<r.value>(queries.data() + m * D, D, keys.data() + j * D * PANEL, keys.data(), zeros,
+                         scores.data() + m * Tp + j * PANEL, Tp, PANEL);
+        });
+      }
+      for (int64_t i = 0; i < rows; i++) {
+        softmax_row(scores.data() + i * Tp, T, Tp, kept ? kept + b * steps[0] + (first + i) * steps[1] : nullptr);
+      }
+      for (int64_t j = 0; j < Dp / PANEL; j++) {  // output (rows, D) of this head
+        in_blocks<ROWS>(rows, [&](auto r, int64_t m) {
+          block<r.value>(scores.data() + m * Tp, Tp, values.data() + j * Tp * PANEL, values.data(), zeros,
+                         out + (b * T + first + m) * H + h * D + j * PANEL, H, std::min(PANEL, D - j * PANEL));
+        });
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 // a fragment: bert_padding.py defines other bert_impl operators from Python
 TORCH_LIBRARY_FRAGMENT(bert_impl, m) {
   m.def("sgemm(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("qgemm(Tensor x, Tensor packed, Tensor column_sums, Tensor scale, int out_features) -> Tensor");
+  m.def("attention(Tensor qkv, Tensor? keep, int heads, float scaling) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(bert_impl, CPU, m) {
   m.impl("sgemm", sgemm);
   m.impl("qgemm", qgemm);
+  m.impl("attention", attention);
 }
