@@ -7,20 +7,21 @@ threads, each engine alone: benchmarks/RESULTS.md, "ninth pass"). The kernel str
 is stored: packed into panels of 16 output columns (`pack`), each 6 rows x 16 columns of the output summed in AVX
 registers, the next panel fetched into the cache meanwhile, the panels split over the threads. In a compiled program the
 same 24 products took 4.1 ms at 16 rows (before the prefetch; ONNX Runtime 4.4, oneDNN 7.4 in that run) and 22.0 ms at
-128 (21.5, 26.8); the whole model answers a 16-token query in 3.66-4.78 ms (ONNX Runtime 4.34-5.24) and a 128-token one
-in 22.93-28.11 ms (24.19-26.70: level within the noise; bench_engines.py runs X and Y).
+128 (21.5, 26.8); the whole model answers a 16-token query in 3.66-4.98 ms (ONNX Runtime 4.34-6.73) and a 128-token one
+in 22.93-28.54 ms (24.19-28.32: level within the noise; bench_engines.py runs X, Y and Z).
 
 int8 (`quantize_for_inference`): `bert_impl::qgemm` computes `Int8Linear`'s traced formulation in integers. Each row (in
 [-1, 1]) is quantized to uint8 as the formulation's quantize_per_tensor does, and the int8 weight is packed in panels of
 16 columns x 4 inputs (`pack_int8`). vpmaddubsw adds pairs of uint8 x int8 products in int16, which the 7-bit weights of
-a CPU without VNNI keep in range (`quantization.weight_levels`), and vpmaddwd sums the pairs into int32. It replaces
-oneDNN's non-VNNI int8 product, which repacked its weight on every call: the int8 program answers a 16-token query in
-3.05-3.25 ms, ONNX Runtime's int8 in 3.42-3.59 ms (was 5.21 against 2.96 with oneDNN's products).
+a CPU without VNNI keep in range (`quantization.weight_levels`), and vpmaddwd sums the pairs into int32 (one row's step
+in assembly: `qstep`). It replaces oneDNN's non-VNNI int8 product, which repacked its weight on every call: the int8
+program answers a 16-token query in 3.05-3.31 ms, ONNX Runtime's int8 in 3.42-4.67 ms (was 5.21 against 2.96 with
+oneDNN's products), and a 128-token one in 19.98 against 20.93 ms (run Z).
 
 Attention (`bert_impl::attention`, float32 and int8 programs alike): softmax(q k^T * scaling) v of each head on the
 fused q, k, v product as it comes, its two products by sgemm's blocks over k and v packed in panels, each row's softmax
 in between (Cephes' exp, 8 at a time). At batch 1, all-MiniLM-L6-v2's 12 heads, 2 threads, alternating with torch's CPU
-flash attention (SDPA): 0.02-0.06 ms a layer against 0.10-0.25 at 16 tokens, 0.37-0.41 against 0.50-0.78 at 128.
+flash attention (SDPA): 0.02-0.07 ms a layer against 0.10-0.25 at 16 tokens, 0.37-0.41 against 0.64-0.78 at 128.
 
 `compile_for_inference` runs the encoder's linear layers and attention through them (`kernel_modules`) where `chosen`:
 an AVX2 CPU on Linux x86-64, the kernels built (and, for int8, weights of 7 bits). They are built once per torch release
