@@ -211,9 +211,11 @@ at::Tensor qgemm(const at::Tensor& input, const at::Tensor& packed, const at::Te
 }
 
 // Attention: softmax(q k^T * scaling, masked) v for each head, from the fused product's (B, T, 3, N, D) q, k, v.
-// Per head and chunk of up to QCHUNK queries: k packed as the panels of a weight (keys as output columns, zeros past
-// T), the queries' scores by `block` (6 queries x 16 keys at a time), each row's softmax in place, then the chunk's
-// output by `block` again over v packed the same way (its D columns as output columns, each key a step of the sum).
+// Per head and chunk of up to QCHUNK queries: k packed as the panels of a weight (keys as output columns; past T,
+// key T - 1 again, its scores masked), the queries' scores by `block` (6 queries x 16 keys at a time), each row's
+// softmax in place, then the chunk's output by `block` again over v packed the same way (its D columns as output
+// columns, each key a step of the sum). Both products' operands are in the cache by then: each block's `next` is its
+// own panel.
 constexpr int64_t QCHUNK = 64;  // queries per task: a chunk's scores stay in L2 up to 512 keys (128 KB)
 
 // e^x for x <= 0 (Cephes' expf: x = n ln 2 + r, e^r by its degree-7 polynomial, 2^n in the exponent bits); within 2
@@ -298,8 +300,8 @@ at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& kee
       if (bh != packed) {  // keys: (Tp / 16, D, 16), 16 keys side by side; values: (Dp / 16, Tp, 16)
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         for (int64_t t = 0; t < Tp; t += 8) {  // keys t..t+7 (those past T repeat key T - 1: their scores are masked)
-          const __m256i rows = _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(t), lane), _mm256_set1_epi32(T - 1));
-          const __m256i at = _mm256_mullo_epi32(rows, _mm256_set1_epi32(3 * H));
+          const __m256i key = _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(t), lane), _mm256_set1_epi32(T - 1));
+          const __m256i at = _mm256_mullo_epi32(key, _mm256_set1_epi32(3 * H));
           float* panel = keys.data() + t / PANEL * D * PANEL + t % PANEL;
           for (int64_t d = 0; d < D; d++) _mm256_storeu_ps(panel + d * PANEL, _mm256_i32gather_ps(head + H + d, at, 4));
         }
@@ -323,8 +325,8 @@ at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& kee
       }
       for (int64_t j = 0; j < Tp / PANEL; j++) {  // scores (rows, Tp)
         in_blocks<ROWS>(rows, [&](auto r, int64_t m) {
-          block<r.value>(queries.data() + m * D, D, keys.data() + j * D * PANEL, keys.data(), zeros,
-                         scores.data() + m * Tp + j * PANEL, Tp, PANEL);
+          const float* panel = keys.data() + j * D * PANEL;
+          block<r.value>(queries.data() + m * D, D, panel, panel, zeros, scores.data() + m * Tp + j * PANEL, Tp, PANEL);
         });
       }
       for (int64_t i = 0; i < rows; i++) {
@@ -332,8 +334,9 @@ at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& kee
       }
       for (int64_t j = 0; j < Dp / PANEL; j++) {  // output (rows, D) of this head
         in_blocks<ROWS>(rows, [&](auto r, int64_t m) {
-          block<r.value>(scores.data() + m * Tp, Tp, values.data() + j * Tp * PANEL, values.data(), zeros,
-                         out + (b * T + first + m) * H + h * D + j * PANEL, H, std::min(PANEL, D - j * PANEL));
+          const float* panel = values.data() + j * Tp * PANEL;
+          float* y = out + (b * T + first + m) * H + h * D + j * PANEL;
+          block<r.value>(scores.data() + m * Tp, Tp, panel, panel, zeros, y, H, std::min(PANEL, D - j * PANEL));
         });
       }
     }
