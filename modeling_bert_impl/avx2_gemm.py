@@ -81,7 +81,7 @@ def load() -> str | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return str(error)
     torch.library.register_fake(OP)(lambda x, packed, bias, out_features: x.new_empty(*x.shape[:-1], out_features))
-    torch.library.register_fake(INT8_OP)(lambda x, packed, sums, scale, out_features:
+    torch.library.register_fake(INT8_OP)(lambda x, smooth, packed, sums, scale, bias, out_features:
                                          x.new_empty(*x.shape[:-1], out_features))
     torch.library.register_fake(ATTENTION_OP)(lambda qkv, keep, heads, scaling:
                                               qkv.new_empty(*qkv.shape[:-1], qkv.shape[-1] // 3))
@@ -147,20 +147,21 @@ def pack_int8(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, fours, 4).permute(0, 2, 1, 3).contiguous()
 
 
-class KernelInt8Linear(Int8Linear):
-    """An Int8Linear whose product is the kernel's (`qgemm`: the traced formulation's arithmetic, in integers), on its
-    int8 weight packed once; the rest of its forward is Int8Linear's."""
+class KernelInt8Linear(nn.Module):
+    """An Int8Linear's forward through the kernel (`qgemm`: the traced formulation's steps, its product in integers, the
+    row scaling and bias around it in the same loops), on its int8 weight packed once."""
 
     def __init__(self, layer: Int8Linear):
-        nn.Module.__init__(self)
+        super().__init__()
         self.in_features, self.out_features = layer.in_features, layer.out_features
         for name in ("inv_smooth", "bias", "scale"):
             self.register_buffer(name, getattr(layer, name), persistent=False)
         self.register_buffer("packed", pack_int8(layer.weight_int8), persistent=False)
         self.register_buffer("column_sums", layer.weight_int8.sum(1, dtype=torch.int32), persistent=False)
 
-    def product(self, x):  # (..., in) rows in [-1, 1] -> (..., out)
-        return torch.ops.bert_impl.qgemm(x, self.packed, self.column_sums, self.scale, self.out_features)
+    def forward(self, x):  # (..., in) float32 -> (..., out)
+        return torch.ops.bert_impl.qgemm(x, self.inv_smooth, self.packed, self.column_sums, self.scale, self.bias,
+                                         self.out_features)
 
 
 class KernelAttention(nn.Module):

@@ -197,20 +197,24 @@ def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 13, 130])
 @pytest.mark.parametrize("K,N", [(7, 37), (32, 16), (384, 1152), (1536, 384)])
-def test_int8_products_are_the_traced_formulations_in_integers(ops, M, K, N):
-    """qgemm's y = (q - 128) W^T * scale / 127, q = round(127 x) + 128 (to even, as the traced formulation's
-    quantize_per_tensor rounds), against the same sum in float64: exact integers, then at most a few float32
-    roundings. Rows in blocks of 4 and the 1-3 left, inputs 32 at a time and the rest, K not a multiple of 4."""
+def test_int8_layers_are_the_traced_formulations_in_integers(ops, M, K, N):
+    """qgemm's y = b + m (q - 128) W^T * scale / 127, q = round(127 x s / m) + 128 (x s, then / m, then * 127 in
+    float32; to even, as the traced formulation's quantize_per_tensor rounds), m = max |x s|, against the same sum in
+    float64: exact integers, then at most a few float32 roundings of the terms' magnitudes. Rows in blocks of 4 and the
+    1-3 left, inputs 32 at a time and the rest, K not a multiple of 4."""
     generator = torch.Generator().manual_seed(M * 1000 + K + N)
-    x = torch.rand(M, K, generator=generator) * 2 - 1
-    x = x / x.abs().amax(-1, keepdim=True)  # rows in [-1, 1], each reaching it: Int8Linear's input to its product
+    x = torch.randn(M, K, generator=generator) * 3
+    smooth = torch.rand(K, generator=generator) + 0.5
     w = torch.randint(-63, 64, (N, K), generator=generator, dtype=torch.int8)
-    scale = torch.rand(N, generator=generator) / 100
-    y = ops.qgemm(x, avx2_gemm.pack_int8(w), w.sum(1, dtype=torch.int32), scale, N)
-    q = torch.round(x * 127).double()  # q - 128
-    expected = q @ w.double().T * scale.double() / 127
+    scale, bias = torch.rand(N, generator=generator) / 100, torch.randn(N, generator=generator)
+    y = ops.qgemm(x, smooth, avx2_gemm.pack_int8(w), w.sum(1, dtype=torch.int32), scale, bias, N)
+    v = x * smooth
+    m = v.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+    q = torch.round(v / m * 127).double()  # q - 128
+    expected = q @ w.double().T * scale.double() / 127 * m.double() + bias.double()
+    magnitude = q.abs() @ w.double().abs().T * scale.double() / 127 * m.double() + bias.double().abs()
     assert y.shape == (M, N) and y.dtype == torch.float32
-    assert ((y.double() - expected).abs() <= 4 * torch.finfo(torch.float32).eps * expected.abs()).all()
+    assert ((y.double() - expected).abs() <= 4 * torch.finfo(torch.float32).eps * magnitude).all()
 
 
 def int8_model(model: bi.BertImplModel) -> bi.BertImplModel:

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -104,11 +105,11 @@ at::Tensor sgemm(const at::Tensor& input, const at::Tensor& packed, const std::o
   return y;
 }
 
-// int8: y = (q - 128) W^T * scale / 127 with q = round(127 x) + 128 (uint8) for rows x in [-1, 1]: what Int8Linear's
-// traced formulation computes, its products in integers. W packed by avx2_gemm.pack_int8: (panels, in / 4, 16, 4),
-// each column's 4 consecutive weights side by side, so that one register holds 8 columns x 4 inputs. vpmaddubsw adds
-// pairs of uint8 x int8 products in int16, which holds for weights of 7 bits (255 x 63 x 2 < 32768:
-// quantization.weight_levels), vpmaddwd the pairs into int32.
+// int8: Int8Linear's traced formulation, its products in integers: each row x scaled by the smoothing scales s to
+// v = x s, m = max(max |v|, 1e-12), q = round(127 v / m) + 128 (uint8), then y = b + m (q - 128) W^T * scale / 127.
+// W packed by avx2_gemm.pack_int8: (panels, in / 4, 16, 4), each column's 4 consecutive weights side by side, so
+// that one register holds 8 columns x 4 inputs. vpmaddubsw adds pairs of uint8 x int8 products in int16, which holds
+// for weights of 7 bits (255 x 63 x 2 < 32768: quantization.weight_levels), vpmaddwd the pairs into int32.
 constexpr int QROWS = 4;  // 8 sums + 2 weights + input + ones + product: 13 AVX registers
 
 using four_bytes = int32_t __attribute__((may_alias));  // a row's 4 uint8 inputs, read as one
@@ -131,7 +132,7 @@ inline void qstep(__m256i& s0, __m256i& s1, const uint8_t* a, __m256i w0, __m256
 
 template <int R>
 inline void qblock(const uint8_t* a, int64_t K4, const int8_t* panel, const float* factor, const int32_t* offset,
-                   float* y, int64_t N, int64_t ncols) {
+                   const float* bias, const float* row_max, float* y, int64_t N, int64_t ncols) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i sum[R][2];
   _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
@@ -145,65 +146,88 @@ inline void qblock(const uint8_t* a, int64_t K4, const int8_t* panel, const floa
   const __m256i off0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset));
   const __m256i off1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + 8));
   const __m256 f0 = _mm256_loadu_ps(factor), f1 = _mm256_loadu_ps(factor + 8);
+  const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);
   _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
-    store16(y + r * N, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][0], off0)), f0),
-            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][1], off1)), f1), ncols);
+    const __m256 m = _mm256_set1_ps(row_max[r]);
+    store16(y + r * N, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][0], off0)), f0), m, b0),
+            _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum[r][1], off1)), f1), m, b1), ncols);
   }
 }
 
-// q = round(127 x) + 128 (to even, as torch.round), saturated to [0, 255]: 32 at a time, then one by one
-void quantize_row(const float* x, int64_t K, uint8_t* q) {
-  const __m256 s = _mm256_set1_ps(127.0f);
-  const __m256i zero_point = _mm256_set1_epi32(128), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+// q = round(127 x s / m) + 128 (to even, as torch.round), saturated to [0, 255], m = max(max |x s|, 1e-12), with the
+// traced formulation's float32 steps (x s, then / m, then * 127): 32 at a time, then one by one; returns m
+float quantize_row(const float* x, const float* smooth, int64_t K, uint8_t* q) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 top = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m256i v[4];
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(smooth + k));
+    top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float most = std::max(*std::max_element(lanes, lanes + 8), 1e-12f);
+  for (; k < K; k++) most = std::max(most, std::abs(x[k] * smooth[k]));
+  const __m256 m = _mm256_set1_ps(most), s = _mm256_set1_ps(127.0f);
+  const __m256i zero_point = _mm256_set1_epi32(128), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (k = 0; k + 32 <= K; k += 32) {
+    __m256i ints[4];
     for (int i = 0; i < 4; i++) {  // _mm256_cvtps_epi32 rounds to nearest even
-      v[i] = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * i), s)), zero_point);
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * i), _mm256_loadu_ps(smooth + k + 8 * i));
+      ints[i] = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_div_ps(v, m), s)), zero_point);
     }
-    __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(ints[0], ints[1]), _mm256_packs_epi32(ints[2], ints[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm256_permutevar8x32_epi32(bytes, order));
   }
-  for (; k < K; k++) q[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(x[k] * 127.0f) + 128.0f, 0.0f, 255.0f));
+  for (; k < K; k++) {
+    q[k] = static_cast<uint8_t>(std::clamp(std::nearbyint(x[k] * smooth[k] / most * 127.0f) + 128.0f, 0.0f, 255.0f));
+  }
+  return most;
 }
 
-// (..., K) float32 in [-1, 1], (panels, ceil(K / 4), 16, 4) int8, (N,) int32 column sums, (N,) float32 scales, N
-// -> (..., N)
-at::Tensor qgemm(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& column_sums,
-                 const at::Tensor& scale, int64_t N) {
+// (..., K) float32, (K,) smoothing scales, (panels, ceil(K / 4), 16, 4) int8, (N,) int32 column sums, (N,) float32
+// scales and bias, N -> (..., N)
+at::Tensor qgemm(const at::Tensor& input, const at::Tensor& smooth, const at::Tensor& packed,
+                 const at::Tensor& column_sums, const at::Tensor& scale, const at::Tensor& bias, int64_t N) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && packed.scalar_type() == at::kChar, "qgemm: float32 x, int8 W");
   const int64_t K = input.size(-1), K4 = (K + 3) / 4;
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) == (N + PANEL - 1) / PANEL && packed.size(1) == K4
               && packed.size(2) == PANEL && packed.size(3) == 4 && packed.is_contiguous(),
               "qgemm: packed weight of another shape");
   TORCH_CHECK(column_sums.scalar_type() == at::kInt && column_sums.numel() == N && scale.numel() == N
-              && scale.scalar_type() == at::kFloat, "qgemm: column sums or scales of another size");
-  at::Tensor x = input.contiguous();
+              && scale.scalar_type() == at::kFloat && bias.numel() == N && bias.scalar_type() == at::kFloat
+              && smooth.numel() == K && smooth.scalar_type() == at::kFloat,
+              "qgemm: smoothing scales, column sums, scales or bias of another size");
+  at::Tensor x = input.contiguous(), s = smooth.contiguous();
   const int64_t M = K ? x.numel() / K : 0;
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor y = at::empty(sizes, x.options());
   std::vector<uint8_t> q(M * K4 * 4, 0);  // the rows in uint8, zero past K (the packed weights are zero there)
-  const float* xs = x.const_data_ptr<float>();
+  std::vector<float> row_max(M);
+  const float *xs = x.const_data_ptr<float>(), *ss = s.const_data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) quantize_row(xs + i * K, K, q.data() + i * K4 * 4);
+    for (int64_t i = begin; i < end; i++) row_max[i] = quantize_row(xs + i * K, ss, K, q.data() + i * K4 * 4);
   });
   const int8_t* w = packed.const_data_ptr<int8_t>();
   const int32_t* sums = column_sums.const_data_ptr<int32_t>();
   const float* scales = scale.const_data_ptr<float>();
+  const float* biases = bias.const_data_ptr<float>();
   float* out = y.mutable_data_ptr<float>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; j++) {
       const int8_t* panel = w + j * K4 * 64;
       const int64_t ncols = std::min(PANEL, N - j * PANEL);
-      alignas(32) float factor[PANEL] = {0};
+      alignas(32) float factor[PANEL] = {0}, bias16[PANEL] = {0};
       alignas(32) int32_t offset[PANEL] = {0};
       for (int64_t c = 0; c < ncols; c++) {
         factor[c] = scales[j * PANEL + c] * (1.0f / 127.0f);
         offset[c] = 128 * sums[j * PANEL + c];
+        bias16[c] = biases[j * PANEL + c];
       }
       in_blocks<QROWS>(M, [&](auto rows, int64_t m) {
-        qblock<rows.value>(q.data() + m * K4 * 4, K4, panel, factor, offset, out + m * N + j * PANEL, N, ncols);
+        qblock<rows.value>(q.data() + m * K4 * 4, K4, panel, factor, offset, bias16, row_max.data() + m,
+                           out + m * N + j * PANEL, N, ncols);
       });
     }
   });
@@ -349,7 +373,8 @@ at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& kee
 // a fragment: bert_padding.py defines other bert_impl operators from Python
 TORCH_LIBRARY_FRAGMENT(bert_impl, m) {
   m.def("sgemm(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("qgemm(Tensor x, Tensor packed, Tensor column_sums, Tensor scale, int out_features) -> Tensor");
+  m.def("qgemm(Tensor x, Tensor smooth, Tensor packed, Tensor column_sums, Tensor scale, Tensor bias, int out_features)"
+        " -> Tensor");
   m.def("attention(Tensor qkv, Tensor? keep, int heads, float scaling) -> Tensor");
 }
 
