@@ -10,13 +10,16 @@ same 24 products took 4.1 ms at 16 rows (before the prefetch; ONNX Runtime 4.4, 
 128 (21.5, 26.8); the whole model answers a 16-token query in 3.66-4.98 ms (ONNX Runtime 4.34-6.73) and a 128-token one
 in 22.93-28.54 ms (24.19-28.32: level within the noise; bench_engines.py runs X, Y and Z).
 
-int8 (`quantize_for_inference`): `bert_impl::qgemm` computes `Int8Linear`'s traced formulation in integers. Each row (in
-[-1, 1]) is quantized to uint8 as the formulation's quantize_per_tensor does, and the int8 weight is packed in panels of
-16 columns x 4 inputs (`pack_int8`). vpmaddubsw adds pairs of uint8 x int8 products in int16, which the 7-bit weights of
-a CPU without VNNI keep in range (`quantization.weight_levels`), and vpmaddwd sums the pairs into int32 (one row's step
-in assembly: `qstep`). It replaces oneDNN's non-VNNI int8 product, which repacked its weight on every call: the int8
-program answers a 16-token query in 3.05-3.31 ms, ONNX Runtime's int8 in 3.42-4.67 ms (was 5.21 against 2.96 with
-oneDNN's products), and a 128-token one in 19.98 against 20.93 ms (run Z).
+int8 (`quantize_for_inference`): `bert_impl::qgemm` computes `Int8Linear`'s whole traced formulation, its product in
+integers (`KernelInt8Linear`). Each row is scaled by the smoothing scales, divided by its largest magnitude and
+quantized to uint8 as the formulation's quantize_per_tensor does, in one pass with the same float32 steps; the int8
+weight is packed in panels of 16 columns x 4 inputs (`pack_int8`). vpmaddubsw adds pairs of uint8 x int8 products in
+int16, which the 7-bit weights of a CPU without VNNI keep in range (`quantization.weight_levels`), and vpmaddwd sums the
+pairs into int32 (one row's step in assembly: `qstep`); the row's scale and the bias are applied to the sums in
+registers. It replaces oneDNN's non-VNNI int8 product, which repacked its weight on every call, and inductor's passes
+over memory around it: the int8 program answers a 16-token query in 3.05-3.31 ms, ONNX Runtime's int8 in 3.42-4.67 ms
+(was 5.21 against 2.96 with oneDNN's products); alternating with ONNX Runtime int8, a 128-token query in 0.86-0.89x its
+time and a dense 64 x 128 batch at 1.06-1.08x its throughput (benchmarks/RESULTS.md, "tenth pass").
 
 Attention (`bert_impl::attention`, float32 and int8 programs alike): softmax(q k^T * scaling) v of each head on the
 fused q, k, v product as it comes, its two products by sgemm's blocks over k and v packed in panels, each row's softmax
