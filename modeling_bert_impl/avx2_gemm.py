@@ -156,7 +156,7 @@ class KernelInt8Linear(nn.Module):
 
     def __init__(self, layer: Int8Linear):
         super().__init__()
-        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.out_features = layer.out_features
         for name in ("inv_smooth", "bias", "scale"):
             self.register_buffer(name, getattr(layer, name), persistent=False)
         self.register_buffer("packed", pack_int8(layer.weight_int8), persistent=False)

@@ -15,8 +15,8 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
-#include <vector>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -38,6 +38,13 @@ inline void in_blocks(int64_t M, Run run) {
   int64_t m = 0;
   for (; m + R <= M; m += R) run(std::integral_constant<int, R>{}, m);
   rows_left<R - 1>(M - m, m, run);
+}
+
+// the largest of the 8 floats of v
+inline float largest(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  return *std::max_element(lanes, lanes + 8);
 }
 
 // y[:ncols] = the 16 floats of lo, hi: all of them, or the first ncols of the last panel of an N not a multiple of 16
@@ -164,9 +171,7 @@ float quantize_row(const float* x, const float* smooth, int64_t K, uint8_t* q) {
     const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(smooth + k));
     top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  float most = std::max(*std::max_element(lanes, lanes + 8), 1e-12f);
+  float most = std::max(largest(top), 1e-12f);
   for (; k < K; k++) most = std::max(most, std::abs(x[k] * smooth[k]));
   const __m256 m = _mm256_set1_ps(most), s = _mm256_set1_ps(127.0f);
   const __m256i zero_point = _mm256_set1_epi32(128), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -277,9 +282,7 @@ inline void softmax_row(float* s, int64_t T, int64_t Tp, const bool* keep) {
     _mm256_storeu_ps(s + j, v);
     top = _mm256_max_ps(top, v);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, top);
-  const float most = *std::max_element(lanes, lanes + 8);
+  const float most = largest(top);
   if (most == -std::numeric_limits<float>::infinity()) return (void)std::fill(s, s + Tp, 0.0f);
   __m256 total = _mm256_setzero_ps();
   for (int64_t j = 0; j < Tp; j += 8) {
@@ -287,6 +290,7 @@ inline void softmax_row(float* s, int64_t T, int64_t Tp, const bool* keep) {
     _mm256_storeu_ps(s + j, e);
     total = _mm256_add_ps(total, e);
   }
+  alignas(32) float lanes[8];
   _mm256_store_ps(lanes, total);
   const __m256 inverse = _mm256_set1_ps(1.0f / std::accumulate(lanes, lanes + 8, 0.0f));
   for (int64_t j = 0; j < Tp; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inverse));
@@ -313,6 +317,7 @@ at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& kee
   const bool* kept = keep.has_value() ? mask.const_data_ptr<bool>() : nullptr;
   float* out = y.mutable_data_ptr<float>();
   const int64_t chunks = (T + QCHUNK - 1) / QCHUNK;
+  const float scale = static_cast<float>(scaling);
   at::parallel_for(0, B * heads * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> keys(Tp * D, 0.0f), values(Dp * Tp, 0.0f), queries(QCHUNK * D), scores(QCHUNK * Tp);
     alignas(32) const float zeros[PANEL] = {0};
@@ -343,7 +348,6 @@ at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& kee
         }
         packed = bh;
       }
-      const float scale = static_cast<float>(scaling);
       for (int64_t i = 0; i < rows; i++) {
         for (int64_t d = 0; d < D; d++) queries[i * D + d] = head[(first + i) * 3 * H + d] * scale;
       }
