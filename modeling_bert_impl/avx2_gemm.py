@@ -185,9 +185,13 @@ class KernelAttention(nn.Module):
 
 @contextmanager
 def kernel_modules(base: nn.Module):
-    """While tracing the program: every nn.Linear in the encoder's layers replaced by a `KernelLinear`, every
-    Int8Linear by a `KernelInt8Linear`, then each layer's attention by a `KernelAttention`; put back after."""
+    """While tracing the program: every nn.Linear in the encoder's layers and the pooler replaced by a `KernelLinear`
+    (the pooler's through oneDNN took 0.17 ms of a 26 ms call at 1 x 128), every Int8Linear by a `KernelInt8Linear`,
+    then each layer's attention by a `KernelAttention`; put back after."""
+    pooler = base.pooler.modules() if base.pooler is not None else ()
     targets = [(parent, name, layer, KernelLinear) for parent, name, layer in encoder_linears(base)]
+    targets += [(parent, name, layer, KernelLinear) for parent in pooler for name, layer in parent.named_children()
+                if isinstance(layer, nn.Linear)]
     targets += [(parent, name, layer, KernelInt8Linear) for parent, name, layer in encoder_linears(base, Int8Linear)]
     targets += [(layer, "attn", layer.attn, KernelAttention) for layer in base.layers]
     try:

@@ -538,7 +538,11 @@ class BertImplModel(BertImplPreTrainedModel):
         for flash attention; None when nothing is masked. A packed batch (`packed_cu_seqlens`, no padding) attends
         block-diagonally: each token to its own sequence only. `padding` is whether the batch has padding, as the
         forward's one host read found (None when traced): knowing it, transformers need not look into the mask for
-        itself (`mask.all()`, a second host-device sync)."""
+        itself (`mask.all()`, a second host-device sync).
+
+        sdpa without packing: the padding mask as it is, bool (B, 1, 1, T), the same for every query (SDPA broadcasts
+        it). transformers writes it out for each query, (B, 1, T, T): in a compiled program, 6 copies of it cost 0.9 ms
+        of a 26 ms call at 1 x 128 (benchmarks/RESULTS.md, "eleventh pass")."""
         B, T = x.shape[:2]
         if padding is False:
             attention_mask = None  # all ones: nothing to mask but, for a packed batch, the sequence boundaries
@@ -555,6 +559,8 @@ class BertImplModel(BertImplPreTrainedModel):
             skip_if_unmasked = False
         if attention_mask is not None:
             attention_mask = attention_mask.to(device=x.device, dtype=torch.bool)  # (B, T)
+            if implementation == "sdpa" and packed_cu_seqlens is None:
+                return attention_mask[:, None, None, :]  # (B, 1, 1, T)
         return ALL_MASK_ATTENTION_FUNCTIONS[implementation](
             batch_size=B, q_length=T, kv_length=T, mask_function=mask_function, attention_mask=attention_mask,
             allow_is_causal_skip=False, allow_is_bidirectional_skip=skip_if_unmasked, dtype=x.dtype, device=x.device,

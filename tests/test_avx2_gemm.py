@@ -134,13 +134,14 @@ def kernel_package(ops, tmp_path_factory):
 
 
 def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kernel_package):
-    """8 products (2 layers x qkv, out, up, down) and 2 attentions a call, the pooler's product left to oneDNN; the
-    layers are nn.Linear and BertImplAttention again after the trace; the outputs are the eager path's."""
+    """9 products (2 layers x qkv, out, up, down, and the pooler's) and 2 attentions a call; the layers are nn.Linear
+    and BertImplAttention again after the trace; the outputs are the eager path's."""
     model, _ = kernel_package
     assert [type(layer) for _, _, layer in bi.quantization.encoder_linears(model)] == [nn.Linear] * 8
     assert [type(layer.attn) for layer in model.layers] == [bi.modeling_bert_impl.BertImplAttention] * 2
+    assert type(model.pooler.dense) is nn.Linear
     ids = torch.randint(1, SMALL["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(1))
-    assert kernel_calls(model, input_ids=ids) == 8
+    assert kernel_calls(model, input_ids=ids) == 9
     assert kernel_calls(model, avx2_gemm.ATTENTION_OP, input_ids=ids) == 2
     with torch.no_grad():
         got = model(input_ids=ids)

@@ -172,6 +172,23 @@ def test_minilm_unpadded_matches_transformers_and_eager(minilm):
     assert (got.pooler_output - eager.pooler_output)[nonempty].abs().max() <= TOL
 
 
+def test_padded_sdpa_mask_is_transformers_for_every_query():
+    """The padded path's sdpa mask is the padding mask once, (B, 1, 1, T): broadcast over the queries it is the
+    (B, 1, T, T) mask transformers' sdpa_mask writes out, padding-only row included; packed batches keep
+    transformers' block-diagonal one."""
+    model = BertImplModel(BertImplConfig(**TINY))
+    mask = mixed_batch(99, [9, 3, 0, 14, 6], left={3})["attention_mask"]  # (5, 14)
+    x = torch.randn(*mask.shape, 32)
+    got = model._padded_attention_mask(x, mask, None, "sdpa", padding=True)
+    expected = transformers.masking_utils.sdpa_mask(
+        batch_size=5, q_length=14, kv_length=14, mask_function=transformers.masking_utils.bidirectional_mask_function,
+        attention_mask=mask.bool(), allow_is_bidirectional_skip=False)
+    assert got.shape == (5, 1, 1, 14) and expected.shape == (5, 1, 14, 14)
+    assert torch.equal(got.expand(5, 1, 14, 14), expected)
+    packed = model._padded_attention_mask(x[:1], None, torch.tensor([0, 4, 14]), "sdpa", padding=False)
+    assert packed.shape == (1, 1, 14, 14) and not packed[0, 0, 0, 4] and packed[0, 0, 5, 4]
+
+
 def test_batch_of_padding_only_runs():
     model = BertImplModel(BertImplConfig(**TINY)).eval()
     with torch.no_grad():
