@@ -26,8 +26,11 @@ fused q, k, v product as it comes, its two products by sgemm's blocks over k and
 in between (Cephes' exp, 8 at a time). At batch 1, all-MiniLM-L6-v2's 12 heads, 2 threads, alternating with torch's CPU
 flash attention (SDPA): 0.02-0.07 ms a layer against 0.10-0.25 at 16 tokens, 0.37-0.41 against 0.64-0.78 at 128.
 
-`compile_for_inference` runs the encoder's linear layers and attention through them (`kernel_modules`) where `chosen`:
-an AVX2 CPU on Linux x86-64, the kernels built (and, for int8, weights of 7 bits). They are built once per torch release
+`compile_for_inference` runs the encoder's linear layers (the pooler's too) and attention through them (`kernel_modules`)
+where `chosen`: an AVX2 CPU on Linux x86-64, the kernels built (and, for int8, weights of 7 bits). A float32
+feed-forward's exact GELU is taken in its first product's store (`gelu8`: a rational approximation of erf, the GELU
+within 2.2e-7 max(1, |x|) of float64's; inductor's loop after the product took 1.7 ms more of a 30 ms call at 1 x 128).
+They are built once per torch release
 and source, with the C++ compiler that inductor uses (which compiling the program needs too: 11-16 s on 2 cores), into
 inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`), and loaded into the process (`load`). A package compiled with
 them needs them loaded to load: `compile_for_inference` builds or finds them first. sgemm's sums run over the input in
@@ -49,6 +52,7 @@ import torch
 from torch import nn
 from torch.utils import cpp_extension
 
+from .packed_linear import is_exact_gelu
 from .quantization import Int8Linear, encoder_linears, weight_levels
 
 SOURCE = Path(__file__).with_name("csrc") / "sgemm_avx2.cpp"
@@ -83,7 +87,8 @@ def load() -> str | None:
         torch.ops.load_library(build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         return str(error)
-    torch.library.register_fake(OP)(lambda x, packed, bias, out_features: x.new_empty(*x.shape[:-1], out_features))
+    torch.library.register_fake(OP)(lambda x, packed, bias, out_features, gelu=False:
+                                    x.new_empty(*x.shape[:-1], out_features))
     torch.library.register_fake(INT8_OP)(lambda x, smooth, packed, sums, scale, bias, out_features:
                                          x.new_empty(*x.shape[:-1], out_features))
     torch.library.register_fake(ATTENTION_OP)(lambda qkv, keep, heads, scaling:
@@ -127,17 +132,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class KernelLinear(nn.Module):
-    """An nn.Linear's product through the kernel, on its weight packed once (a buffer: the program freezes it); its
-    parameters are the layer's own, so the program's inputs stay the same."""
+    """An nn.Linear's product through the kernel, on its weight packed once (a buffer: the program freezes it), the
+    exact GELU taken of it where `gelu`; its parameters are the layer's own, so the program's inputs stay the same."""
 
-    def __init__(self, layer: nn.Linear):
+    def __init__(self, layer: nn.Linear, gelu: bool = False):
         super().__init__()
-        self.out_features = layer.out_features
+        self.out_features, self.gelu = layer.out_features, gelu
         self.weight, self.bias = layer.weight, layer.bias
         self.register_buffer("packed", pack(layer.weight.detach()), persistent=False)
 
     def forward(self, x):  # (..., in) -> (..., out)
-        return torch.ops.bert_impl.sgemm(x, self.packed, self.bias, self.out_features)
+        return torch.ops.bert_impl.sgemm(x, self.packed, self.bias, self.out_features, self.gelu)
 
 
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
@@ -186,10 +191,14 @@ class KernelAttention(nn.Module):
 @contextmanager
 def kernel_modules(base: nn.Module):
     """While tracing the program: every nn.Linear in the encoder's layers and the pooler replaced by a `KernelLinear`
-    (the pooler's through oneDNN took 0.17 ms of a 26 ms call at 1 x 128), every Int8Linear by a `KernelInt8Linear`,
-    then each layer's attention by a `KernelAttention`; put back after."""
+    (the pooler's through oneDNN took 0.17 ms of a 26 ms call at 1 x 128), the feed-forward's exact GELU taken in
+    its first product's (the activation then an identity), every Int8Linear by a `KernelInt8Linear`, then each
+    layer's attention by a `KernelAttention`; put back after."""
     pooler = base.pooler.modules() if base.pooler is not None else ()
-    targets = [(parent, name, layer, KernelLinear) for parent, name, layer in encoder_linears(base)]
+    gelu = [layer.ffn for layer in base.layers if isinstance(layer.ffn.up, nn.Linear) and is_exact_gelu(layer.ffn.act)]
+    targets = [(parent, name, layer, functools.partial(KernelLinear, gelu=name == "up" and parent in gelu))
+               for parent, name, layer in encoder_linears(base)]
+    targets += [(ffn, "act", ffn.act, lambda act: nn.Identity()) for ffn in gelu]
     targets += [(parent, name, layer, KernelLinear) for parent in pooler for name, layer in parent.named_children()
                 if isinstance(layer, nn.Linear)]
     targets += [(parent, name, layer, KernelInt8Linear) for parent, name, layer in encoder_linears(base, Int8Linear)]

@@ -67,6 +67,20 @@ def test_leading_dimensions_strided_inputs_and_no_bias(ops):
     assert_float32_close(y, x, w, None)
 
 
+def test_gelu_is_float64s_within_its_bound(ops):
+    """sgemm's GELU (gelu=True) on every float32 it is likely to meet: through an identity weight (each output its
+    input exactly), within 3e-7 max(1, |x|) of the exact (erf) GELU in float64, and on products the same sums as
+    without it, then within the two GELUs' bounds of torch's float32 one. Rows of 6 and 5, a last panel of 5."""
+    x = torch.cat([torch.linspace(-12, 12, 20001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e4, -1e4, 40.0, -40.0])])
+    x = F.pad(x, (0, -len(x) % 37)).view(-1, 37)
+    y = ops.sgemm(x, avx2_gemm.pack(torch.eye(37)), None, 37, True)
+    assert ((y.double() - F.gelu(x.double())).abs() <= 3e-7 * x.double().abs().clamp_min(1)).all()
+    generator = torch.Generator().manual_seed(0)
+    a, w, b = (torch.randn(*shape, generator=generator) for shape in ((11, 384), (1536, 384), (1536,)))
+    z, y = ops.sgemm(a, avx2_gemm.pack(w), b, 1536), ops.sgemm(a, avx2_gemm.pack(w), b, 1536, True)
+    assert ((y - F.gelu(z)).abs() <= 4e-7 * z.abs().clamp_min(1)).all()
+
+
 def kernel_calls(model, op: str = avx2_gemm.OP, **inputs) -> int:
     """How many times the kernel `op` runs in one call of the model (the profiler sees the program's operators)."""
     with torch.no_grad(), torch.profiler.profile() as profile:
@@ -134,9 +148,15 @@ def kernel_package(ops, tmp_path_factory):
 
 
 def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kernel_package):
-    """9 products (2 layers x qkv, out, up, down, and the pooler's) and 2 attentions a call; the layers are nn.Linear
-    and BertImplAttention again after the trace; the outputs are the eager path's."""
+    """9 products (2 layers x qkv, out, up, down, and the pooler's) and 2 attentions a call, the GELU taken in the up
+    product's; the layers are nn.Linear, GELU and BertImplAttention again after the trace; the outputs are the eager
+    path's."""
     model, _ = kernel_package
+    with avx2_gemm.kernel_modules(model):
+        assert [(type(layer.ffn.up), layer.ffn.up.gelu, type(layer.ffn.act)) for layer in model.layers] == [
+            (avx2_gemm.KernelLinear, True, nn.Identity)] * 2
+        assert not model.layers[0].ffn.down.gelu
+    assert all(bi.packed_linear.is_exact_gelu(layer.ffn.act) for layer in model.layers)
     assert [type(layer) for _, _, layer in bi.quantization.encoder_linears(model)] == [nn.Linear] * 8
     assert [type(layer.attn) for layer in model.layers] == [bi.modeling_bert_impl.BertImplAttention] * 2
     assert type(model.pooler.dense) is nn.Linear
