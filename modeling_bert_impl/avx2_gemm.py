@@ -26,16 +26,15 @@ fused q, k, v product as it comes, its two products by sgemm's blocks over k and
 in between (Cephes' exp, 8 at a time). At batch 1, all-MiniLM-L6-v2's 12 heads, 2 threads, alternating with torch's CPU
 flash attention (SDPA): 0.02-0.07 ms a layer against 0.10-0.25 at 16 tokens, 0.37-0.41 against 0.64-0.78 at 128.
 
-`compile_for_inference` runs the encoder's linear layers (the pooler's too) and attention through them (`kernel_modules`)
-where `chosen`: an AVX2 CPU on Linux x86-64, the kernels built (and, for int8, weights of 7 bits). A float32
-feed-forward's exact GELU is taken in its first product's store (`gelu8`: a rational approximation of erf, the GELU
-within 2.2e-7 max(1, |x|) of float64's; inductor's loop after the product took 1.7 ms more of a 30 ms call at 1 x 128).
-They are built once per torch release
-and source, with the C++ compiler that inductor uses (which compiling the program needs too: 11-16 s on 2 cores), into
-inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`), and loaded into the process (`load`). A package compiled with
-them needs them loaded to load: `compile_for_inference` builds or finds them first. sgemm's sums run over the input in
-order, one float32 FMA at a time, qgemm's are exact integers: the programs' outputs are within 1e-5 of the eager paths'
-(tests/test_avx2_gemm.py).
+`compile_for_inference` runs the encoder's linear layers (and the pooler's) and attention through them
+(`kernel_modules`) where `chosen`: an AVX2 CPU on Linux x86-64, the kernels built (and, for int8, weights of 7 bits).
+They are built once per torch release and source, with the C++ compiler that inductor uses (which compiling the program
+needs too: 11-16 s on 2 cores), into inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`), and loaded into the
+process (`load`). A package compiled with them needs them loaded to load: `compile_for_inference` builds or finds them
+first. A float32 feed-forward's exact GELU is taken in its first product's store (`gelu8`: a rational approximation of
+erf, the GELU within 2.2e-7 max(1, |x|) of float64's; inductor's loop after the product took 1.7 ms more of a 30 ms
+call at 1 x 128). sgemm's sums run over the input in order, one float32 FMA at a time, qgemm's are exact integers: the
+programs' outputs are within 1e-5 of the eager paths' (tests/test_avx2_gemm.py).
 """
 
 import functools
