@@ -5,10 +5,11 @@ On an AVX2 CPU (no AVX-512) oneDNN's float32 products are what keeps a short que
 products of all-MiniLM-L6-v2 on 16 rows take oneDNN 5.6-6.2 ms, ONNX Runtime's MLAS 3.3-3.7 ms (an AVX2 Zen 3, 2
 threads, each engine alone: benchmarks/RESULTS.md, "ninth pass"). The kernel streams each weight once, in the order it
 is stored: packed into panels of 16 output columns (`pack`), each 6 rows x 16 columns of the output summed in AVX
-registers, the next panel fetched into the cache meanwhile, the panels split over the threads. In a compiled program the
-same 24 products took 4.1 ms at 16 rows (before the prefetch; ONNX Runtime 4.4, oneDNN 7.4 in that run) and 22.0 ms at
-128 (21.5, 26.8); the whole model answers a 16-token query in 3.66-4.98 ms (ONNX Runtime 4.34-6.73) and a 128-token one
-in 22.93-28.54 ms (24.19-28.32: level within the noise; bench_engines.py runs X, Y and Z).
+registers, the next panel fetched into the cache meanwhile, the threads taking the panels one at a time (a core slowed
+by another process takes fewer). In a compiled program the same 24 products took 4.1 ms at 16 rows (before the prefetch;
+ONNX Runtime 4.4, oneDNN 7.4 in that run) and 22.0 ms at 128 (21.5, 26.8); the whole model answers a 16-token query in
+3.66-4.98 ms (ONNX Runtime 4.34-6.73) and a 128-token one in 22.93-28.54 ms (24.19-28.32: level within the noise;
+bench_engines.py runs X, Y and Z).
 
 int8 (`quantize_for_inference`): `bert_impl::qgemm` computes `Int8Linear`'s whole traced formulation, its product in
 integers (`KernelInt8Linear`). Each row is scaled by the smoothing scales, divided by its largest magnitude and

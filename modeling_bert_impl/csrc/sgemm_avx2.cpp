@@ -3,7 +3,7 @@
 // modeling_bert_impl/avx2_gemm.py says why and when). W comes packed by
 // avx2_gemm.pack: (panels, in, 16), panel j holding output columns 16j..16j+15 (zeros past the last), each input row's
 // 16 weights side by side, so that a panel streams from memory once, in order. Each block of 6 rows x 16 columns of y
-// is summed in 12 AVX registers; the panels are split over the threads.
+// is summed in 12 AVX registers; the threads take the panels one at a time (`share`).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -38,6 +39,17 @@ inline void in_blocks(int64_t M, Run run) {
   int64_t m = 0;
   for (; m + R <= M; m += R) run(std::integral_constant<int, R>{}, m);
   rows_left<R - 1>(M - m, m, run);
+}
+
+// run(take) on each thread (at most n), take(i) setting i to the next of 0, 1, ..., n - 1 not yet taken, false when
+// none is left: a thread takes the next piece of work when it is done with its last, so that a core slowed by other
+// work (another process on a shared machine) takes fewer, where a static split would wait for its share (24 products
+// at 128 rows: 0.84-0.89x the time of the static split, alternating, load 1.0)
+template <typename Run>
+inline void share(int64_t n, Run run) {
+  std::atomic<int64_t> next{0};
+  auto take = [&](int64_t& i) { return (i = next.fetch_add(1, std::memory_order_relaxed)) < n; };
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) { run(take); });
 }
 
 // the largest of the 8 floats of v
@@ -81,7 +93,8 @@ inline __m256 gelu8(__m256 x) {
 }
 
 // y[r, :ncols] = bias + sum_k a[r, k] * panel[k, :] for the R rows of a block (its gelu8 where GELU), fetching `next`
-// (the panel after this one) into the cache meanwhile: the product then waits for memory only on its first panel
+// (the panel this thread will likely take next) into the cache meanwhile: the product then waits for memory only on
+// its first panel
 template <int R, bool GELU = false>
 inline void block(const float* a, int64_t K, const float* panel, const float* next, const float* bias, float* y,
                   int64_t N, int64_t ncols) {
@@ -121,10 +134,11 @@ at::Tensor sgemm(const at::Tensor& input, const at::Tensor& packed, const std::o
   const float* w = packed.const_data_ptr<float>();
   const float* b = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   float* out = y.mutable_data_ptr<float>();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; j++) {
+  share(packed.size(0), [&](auto take) {
+    for (int64_t j; take(j);) {
       const float* panel = w + j * K * PANEL;
-      const float* next = j + 1 < packed.size(0) ? panel + K * PANEL : panel;
+      const int64_t after = j + at::get_num_threads();  // the panel this thread likely takes next
+      const float* next = after < packed.size(0) ? w + after * K * PANEL : panel;
       const int64_t ncols = std::min(PANEL, N - j * PANEL);
       alignas(32) float bias16[PANEL] = {0};
       if (b) std::memcpy(bias16, b + j * PANEL, ncols * sizeof(float));
@@ -236,16 +250,20 @@ at::Tensor qgemm(const at::Tensor& input, const at::Tensor& smooth, const at::Te
   std::vector<uint8_t> q(M * K4 * 4, 0);  // the rows in uint8, zero past K (the packed weights are zero there)
   std::vector<float> row_max(M);
   const float *xs = x.const_data_ptr<float>(), *ss = s.const_data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; i++) row_max[i] = quantize_row(xs + i * K, ss, K, q.data() + i * K4 * 4);
+  share((M + 15) / 16, [&](auto take) {  // 16 rows at a time
+    for (int64_t c; take(c);) {
+      for (int64_t i = c * 16; i < std::min(M, c * 16 + 16); i++) {
+        row_max[i] = quantize_row(xs + i * K, ss, K, q.data() + i * K4 * 4);
+      }
+    }
   });
   const int8_t* w = packed.const_data_ptr<int8_t>();
   const int32_t* sums = column_sums.const_data_ptr<int32_t>();
   const float* scales = scale.const_data_ptr<float>();
   const float* biases = bias.const_data_ptr<float>();
   float* out = y.mutable_data_ptr<float>();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; j++) {
+  share(packed.size(0), [&](auto take) {
+    for (int64_t j; take(j);) {
       const int8_t* panel = w + j * K4 * 64;
       const int64_t ncols = std::min(PANEL, N - j * PANEL);
       alignas(32) float factor[PANEL] = {0}, bias16[PANEL] = {0};
@@ -321,6 +339,31 @@ inline void softmax_row(float* s, int64_t T, int64_t Tp, const bool* keep) {
   for (int64_t j = 0; j < Tp; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inverse));
 }
 
+// A head's keys as the panels of a weight, (Tp / 16, D, 16), 16 keys side by side (past T, key T - 1 again: its scores
+// are masked), and its values in panels of 16 columns, (Dp / 16, Tp, 16); q of token t at head + t 3H, k at + H, v at
+// + 2H
+inline void pack_head(const float* head, int64_t T, int64_t Tp, int64_t D, int64_t H, float* keys, float* values) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t t = 0; t < Tp; t += 8) {  // keys t..t+7, gathered
+    const __m256i key = _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(t), lane), _mm256_set1_epi32(T - 1));
+    const __m256i at = _mm256_mullo_epi32(key, _mm256_set1_epi32(3 * H));
+    float* panel = keys + t / PANEL * D * PANEL + t % PANEL;
+    for (int64_t d = 0; d < D; d++) _mm256_storeu_ps(panel + d * PANEL, _mm256_i32gather_ps(head + H + d, at, 4));
+  }
+  for (int64_t t = 0; t < T; t++) {
+    const float* value = head + t * 3 * H + 2 * H;
+    for (int64_t d = 0; d < D; d += PANEL) {
+      float* to = values + (d / PANEL * Tp + t) * PANEL;
+      if (d + PANEL <= D) {
+        _mm256_storeu_ps(to, _mm256_loadu_ps(value + d));
+        _mm256_storeu_ps(to + 8, _mm256_loadu_ps(value + d + 8));
+      } else {
+        std::copy(value + d, value + D, to);
+      }
+    }
+  }
+}
+
 // (B, T, 3 N D) float32, keep: bool (B | 1, 1, T | 1, T) or none, N, scaling -> (B, T, N D)
 at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& keep, int64_t heads, double scaling) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0,
@@ -343,54 +386,42 @@ at::Tensor attention(const at::Tensor& qkv, const std::optional<at::Tensor>& kee
   float* out = y.mutable_data_ptr<float>();
   const int64_t chunks = (T + QCHUNK - 1) / QCHUNK;
   const float scale = static_cast<float>(scaling);
-  at::parallel_for(0, B * heads * chunks, 1, [&](int64_t begin, int64_t end) {
+  // a thread takes a head's chunks together (its keys and values packed once) where there are heads enough to share
+  const int64_t together = B * heads >= 4 * at::get_num_threads() ? chunks : 1;
+  share(B * heads * chunks / together, [&](auto take) {
     std::vector<float> keys(Tp * D, 0.0f), values(Dp * Tp, 0.0f), queries(QCHUNK * D), scores(QCHUNK * Tp);
     alignas(32) const float zeros[PANEL] = {0};
     int64_t packed = -1;  // the head whose keys and values are packed
-    for (int64_t task = begin; task < end; task++) {
-      const int64_t bh = task / chunks, b = bh / heads, h = bh % heads, first = task % chunks * QCHUNK;
-      const int64_t rows = std::min(QCHUNK, T - first);
-      const float* head = in + b * T * 3 * H + h * D;  // q of token t at head + t 3H, k at + H, v at + 2H
-      if (bh != packed) {  // keys: (Tp / 16, D, 16), 16 keys side by side; values: (Dp / 16, Tp, 16)
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        for (int64_t t = 0; t < Tp; t += 8) {  // keys t..t+7 (those past T repeat key T - 1: their scores are masked)
-          const __m256i key = _mm256_min_epi32(_mm256_add_epi32(_mm256_set1_epi32(t), lane), _mm256_set1_epi32(T - 1));
-          const __m256i at = _mm256_mullo_epi32(key, _mm256_set1_epi32(3 * H));
-          float* panel = keys.data() + t / PANEL * D * PANEL + t % PANEL;
-          for (int64_t d = 0; d < D; d++) _mm256_storeu_ps(panel + d * PANEL, _mm256_i32gather_ps(head + H + d, at, 4));
+    for (int64_t unit; take(unit);) {
+      for (int64_t task = unit * together; task < (unit + 1) * together; task++) {
+        const int64_t bh = task / chunks, b = bh / heads, h = bh % heads, first = task % chunks * QCHUNK;
+        const int64_t rows = std::min(QCHUNK, T - first);
+        const float* head = in + b * T * 3 * H + h * D;  // q of token t at head + t 3H, k at + H, v at + 2H
+        if (bh != packed) {
+          pack_head(head, T, Tp, D, H, keys.data(), values.data());
+          packed = bh;
         }
-        for (int64_t t = 0; t < T; t++) {
-          const float* value = head + t * 3 * H + 2 * H;
-          for (int64_t d = 0; d < D; d += PANEL) {
-            float* to = values.data() + (d / PANEL * Tp + t) * PANEL;
-            if (d + PANEL <= D) {
-              _mm256_storeu_ps(to, _mm256_loadu_ps(value + d));
-              _mm256_storeu_ps(to + 8, _mm256_loadu_ps(value + d + 8));
-            } else {
-              std::copy(value + d, value + D, to);
-            }
-          }
+        for (int64_t i = 0; i < rows; i++) {
+          for (int64_t d = 0; d < D; d++) queries[i * D + d] = head[(first + i) * 3 * H + d] * scale;
         }
-        packed = bh;
-      }
-      for (int64_t i = 0; i < rows; i++) {
-        for (int64_t d = 0; d < D; d++) queries[i * D + d] = head[(first + i) * 3 * H + d] * scale;
-      }
-      for (int64_t j = 0; j < Tp / PANEL; j++) {  // scores (rows, Tp)
-        in_blocks<ROWS>(rows, [&](auto r, int64_t m) {
-          const float* panel = keys.data() + j * D * PANEL;
-          block<r.value>(queries.data() + m * D, D, panel, panel, zeros, scores.data() + m * Tp + j * PANEL, Tp, PANEL);
-        });
-      }
-      for (int64_t i = 0; i < rows; i++) {
-        softmax_row(scores.data() + i * Tp, T, Tp, kept ? kept + b * steps[0] + (first + i) * steps[1] : nullptr);
-      }
-      for (int64_t j = 0; j < Dp / PANEL; j++) {  // output (rows, D) of this head
-        in_blocks<ROWS>(rows, [&](auto r, int64_t m) {
-          const float* panel = values.data() + j * Tp * PANEL;
-          float* y = out + (b * T + first + m) * H + h * D + j * PANEL;
-          block<r.value>(scores.data() + m * Tp, Tp, panel, panel, zeros, y, H, std::min(PANEL, D - j * PANEL));
-        });
+        for (int64_t j = 0; j < Tp / PANEL; j++) {  // scores (rows, Tp)
+          in_blocks<ROWS>(rows, [&](auto r, int64_t m) {
+            const float* panel = keys.data() + j * D * PANEL;
+            float* y = scores.data() + m * Tp + j * PANEL;
+            block<r.value>(queries.data() + m * D, D, panel, panel, zeros, y, Tp, PANEL);
+          });
+        }
+        for (int64_t i = 0; i < rows; i++) {
+          const bool* row = kept ? kept + b * steps[0] + (first + i) * steps[1] : nullptr;
+          softmax_row(scores.data() + i * Tp, T, Tp, row);
+        }
+        for (int64_t j = 0; j < Dp / PANEL; j++) {  // output (rows, D) of this head
+          in_blocks<ROWS>(rows, [&](auto r, int64_t m) {
+            const float* panel = values.data() + j * Tp * PANEL;
+            float* y = out + (b * T + first + m) * H + h * D + j * PANEL;
+            block<r.value>(scores.data() + m * Tp, Tp, panel, panel, zeros, y, H, std::min(PANEL, D - j * PANEL));
+          });
+        }
       }
     }
   });
