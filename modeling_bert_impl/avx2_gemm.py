@@ -7,9 +7,9 @@ threads, each engine alone: benchmarks/RESULTS.md, "ninth pass"). The kernel str
 is stored: packed into panels of 16 output columns (`pack`), each 6 rows x 16 columns of the output summed in AVX
 registers, the next panel fetched into the cache meanwhile, the threads taking the panels one at a time (a core slowed
 by another process takes fewer). In a compiled program the same 24 products took 4.1 ms at 16 rows (before the prefetch;
-ONNX Runtime 4.4, oneDNN 7.4 in that run) and 22.0 ms at 128 (21.5, 26.8); the whole model answers a 16-token query in
-3.66-4.98 ms (ONNX Runtime 4.34-6.73) and a 128-token one in 22.93-28.54 ms (24.19-28.32: level within the noise;
-bench_engines.py runs X, Y and Z).
+ONNX Runtime 4.4, oneDNN 7.4 in that run) and 22.0 ms at 128 (21.5, 26.8); with the GELU in the product and the work
+shared, the whole model answers a 16-token query in 4.45 ms (ONNX Runtime 5.78) and a 128-token one in 23.75 ms (25.58:
+bench_engines.py run AA, benchmarks/RESULTS.md, "eleventh pass").
 
 int8 (`quantize_for_inference`): `bert_impl::qgemm` computes `Int8Linear`'s whole traced formulation, its product in
 integers (`KernelInt8Linear`). Each row is scaled by the smoothing scales, divided by its largest magnitude and
