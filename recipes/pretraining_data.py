@@ -11,6 +11,9 @@ collator.
    the labels of transformers' `BertForPreTraining`. The pair is cut to length by removing tokens from the longer
    segment, at its front or back at random, as Google's create_pretraining_data.py does; with probability
    `short_seq_prob` the example aims at a shorter random length. Deterministic given a seed, whatever `num_proc`.
+3'. Or, for the MLM-only objective (RoBERTa's FULL-SENTENCES, as MosaicBERT, Cramming and ModernBERT train):
+   documents -> windows (`build_windows`): the documents' tokens joined into one stream, each document followed by
+   `[SEP]`, cut into windows of exactly `max_seq_length` tokens, `[CLS]` first; no pairs, no NSP label, no padding.
 4. Examples -> batches (`DataCollatorForPreTraining`): padding and dynamic masking, drawn afresh every epoch:
    `mlm_probability` of the tokens (never special tokens nor padding) become prediction targets, of which
    `mask_replace_prob` are replaced with `[MASK]`, `random_replace_prob` with a random token and the rest left
@@ -235,6 +238,38 @@ def build_examples(
     return out
 
 
+def build_windows(batch: dict[str, list], max_seq_length: int, cls_id: int, sep_id: int) -> dict[str, list]:
+    """A `datasets.map(batched=True)` function: tokenized documents -> windows of contiguous text (the MLM objective).
+
+    batch["sentences"]: documents, each a list of sentences of token ids. Their tokens are joined into one stream, a
+    `[SEP]` after each document, and the stream is cut into windows of `max_seq_length - 1` tokens, each given a
+    `[CLS]` in front: every window is exactly `max_seq_length` tokens, with no padding. The stream's remainder (shorter
+    than a window) is dropped, as transformers' run_mlm.py `group_texts` drops it, once per map batch: with the default
+    map batch of 1,000 documents that loses under one window per 1,000 documents.
+    Returns {"input_ids": windows}."""
+    stream = []
+    for document in batch["sentences"]:
+        for sentence in document:
+            stream.extend(sentence)
+        stream.append(sep_id)
+    width = max_seq_length - 1
+    return {"input_ids": [[cls_id, *stream[start:start + width]]
+                          for start in range(0, len(stream) - width + 1, width)]}
+
+
+def document_positions(input_ids: np.ndarray, sep_id: int) -> np.ndarray:
+    """(B, T) token ids of windows -> (B, T) position ids that restart at 0 at each window's start and after each
+    `[SEP]` (where a document ends): the packing markers with which the model keeps attention inside a document
+    (`--document_attention`), and positions that count from each document's start."""
+    B, T = input_ids.shape
+    starts = np.zeros((B, T), dtype=bool)
+    starts[:, 0] = True
+    starts[:, 1:] = input_ids[:, :-1] == sep_id
+    index = np.broadcast_to(np.arange(T), (B, T))
+    start_of = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return index - start_of
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # 4. Examples -> padded, dynamically masked batches
 # ---------------------------------------------------------------------------------------------------------------------
@@ -294,10 +329,13 @@ class DataCollatorForPreTraining:
     Takes the options of transformers' `DataCollatorForLanguageModeling` (mlm_probability, mask_replace_prob,
     random_replace_prob, whole_word_mask, pad_to_multiple_of, seed) and adds NSP labels and token type ids.
 
-    features: examples with "input_ids" (T_i,), optionally "token_type_ids" (T_i,) and "next_sentence_label" ().
+    features: examples with "input_ids" (T_i,), optionally "token_type_ids" (T_i,), "next_sentence_label" () and
+    "mask_epoch" () (the pass over the data the example is drawn in, which then keys its masks instead of `epoch`:
+    the phased sampler of run_pretraining.py passes it, since a phased run is one Trainer epoch).
     Returns LongTensors input_ids, token_type_ids, attention_mask, labels (B, T) (-100 where nothing is predicted,
     padding included), and next_sentence_label (B,) when the examples have it; T is the longest example, rounded up to
-    `pad_to_multiple_of`.
+    `pad_to_multiple_of`. With `document_positions_for` (the [SEP] id), also position_ids (B, T) restarting at each
+    document (`document_positions`), for `--document_attention`.
 
     The masking of an example is drawn from a generator keyed by (seed, epoch, the example's token ids); the training
     loop calls `set_epoch` (see `MaskingEpochCallback` in run_pretraining.py). Two identical examples are masked alike
@@ -314,6 +352,7 @@ class DataCollatorForPreTraining:
     pad_to_multiple_of: int | None = None
     seed: int = 0
     epoch: int = 0
+    document_positions_for: int | None = None
     special_ids: np.ndarray = field(init=False, repr=False)
     is_continuation: np.ndarray = field(init=False, repr=False)
 
@@ -335,16 +374,16 @@ class DataCollatorForPreTraining:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
-    def example_rng(self, input_ids: np.ndarray) -> np.random.Generator:
-        return np.random.default_rng([self.seed, self.epoch, example_key(input_ids)])
+    def example_rng(self, input_ids: np.ndarray, epoch: int | None = None) -> np.random.Generator:
+        return np.random.default_rng([self.seed, self.epoch if epoch is None else int(epoch), example_key(input_ids)])
 
-    def mask_example(self, input_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(T,) token ids -> (masked ids (T,), labels (T,)); see `mask_tokens`."""
+    def mask_example(self, input_ids: Sequence[int], epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(T,) token ids -> (masked ids (T,), labels (T,)); see `mask_tokens`. `epoch` overrides the collator's."""
         ids = np.asarray(input_ids, dtype=np.int64)
         maskable = ~np.isin(ids, self.special_ids)
         starts = whole_word_starts(ids, maskable, self.is_continuation) if self.whole_word_mask else None
         return mask_tokens(
-            ids, maskable, self.example_rng(ids), self.tokenizer.mask_token_id, self.vocab_size,
+            ids, maskable, self.example_rng(ids, epoch), self.tokenizer.mask_token_id, self.vocab_size,
             self.mlm_probability, self.mask_replace_prob, self.random_replace_prob, starts,
         )
 
@@ -359,7 +398,7 @@ class DataCollatorForPreTraining:
         attention_mask = np.zeros((B, T), dtype=np.int64)
         for row, feature in enumerate(features):
             n = len(feature["input_ids"])
-            input_ids[row, :n], labels[row, :n] = self.mask_example(feature["input_ids"])
+            input_ids[row, :n], labels[row, :n] = self.mask_example(feature["input_ids"], feature.get("mask_epoch"))
             if feature.get("token_type_ids") is not None:
                 token_type_ids[row, :n] = feature["token_type_ids"]
             attention_mask[row, :n] = 1
@@ -371,6 +410,9 @@ class DataCollatorForPreTraining:
         }
         if "next_sentence_label" in features[0]:
             batch["next_sentence_label"] = torch.tensor([int(f["next_sentence_label"]) for f in features])
+        if self.document_positions_for is not None:
+            originals = np.where(labels != -100, labels, input_ids)  # the positions follow the unmasked text
+            batch["position_ids"] = torch.from_numpy(document_positions(originals, self.document_positions_for))
         return batch
 
 
