@@ -6,9 +6,9 @@ within a wall-clock budget (`--time_budget 2h`).
 
 Every `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`,
 `--push_to_hub`, `--report_to`, ...), and the script runs as is under `torchrun` and `accelerate launch`.
-See recipes/PRETRAINING.md for the paper's two-phase schedule. As in the fine-tuning recipes (`common.py`), an
---output_dir holding an earlier run is refused without --overwrite_output_dir, checkpoints are written all-or-nothing,
-and `--resume_from_checkpoint last` takes the newest complete one.
+See recipes/PRETRAINING.md for the paper's recipe and the modern one side by side. As in the fine-tuning recipes
+(`common.py`), an --output_dir holding an earlier run is refused without --overwrite_output_dir, checkpoints are
+written all-or-nothing, and `--resume_from_checkpoint last` takes the newest complete one.
 
     python recipes/run_pretraining.py --config_name base --tokenizer_name bert-base-uncased \
         --train_file corpus/*.txt --max_seq_length 128 --do_train --do_eval --output_dir out/phase1
@@ -440,6 +440,7 @@ class PreTrainingTally:
 
     def __init__(self):
         self.sums = None  # (len(FIELDS),) float32
+        self.tokens = None  # real tokens since the start of train(), never popped: the train metrics' train_tokens
 
     @torch.no_grad()
     def add(self, outputs, inputs: dict, width: int | None = None) -> None:
@@ -466,6 +467,7 @@ class PreTrainingTally:
             torch.tensor(float(width or inputs["input_ids"].shape[-1]), device=device), nsp[2],
         ])
         self.sums = values if self.sums is None else self.sums + values
+        self.tokens = tokens.long() if self.tokens is None else self.tokens + tokens.long()
 
     def pop(self) -> torch.Tensor | None:
         sums, self.sums = self.sums, None
@@ -650,8 +652,9 @@ class TimeBudget(TrainerCallback, ExportableState):
                            f"{format_duration(self.seconds)}")
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        spent = torch.tensor(self.spent(), dtype=torch.float64, device=args.device)
+        spent = self.spent()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            spent = torch.tensor(spent, dtype=torch.float64, device=args.device)
             torch.distributed.all_reduce(spent, op=torch.distributed.ReduceOp.MAX)
         self.measured = float(spent)
 
@@ -854,8 +857,16 @@ class PreTrainingTrainer(common.RecipeTrainer):
         if self.peak:
             flops = model_flops(self.model.config, work["tokens"], work["span_squares"], work["masked"],
                                 work["nsp_sequences"])
-            out["mfu"] = round(flops / seconds / (self.peak * self.args.world_size), 4)
+            out["mfu"] = round(flops / seconds / (self.peak * self.args.world_size), 6)
         return out
+
+    def token_metrics(self, runtime: float) -> dict[str, float]:
+        """train_tokens (the real tokens this train() call trained on, all processes) and train_tokens_per_second
+        (over train_runtime: the whole training loop, the first steps included)."""
+        if self.tally.tokens is None:
+            return {}
+        tokens = float(self.accelerator.reduce(self.tally.tokens, reduction="sum"))
+        return {"train_tokens": tokens, "train_tokens_per_second": tokens / runtime if runtime > 0 else float("nan")}
 
     def estimate_remaining(self, seconds: float, steps: int) -> None:
         """Once, after the first logging interval: the run's remaining time at the interval's speed (per token, in a
@@ -1039,7 +1050,7 @@ def main(argv: list[str] | None = None) -> dict:
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
-        metrics = {**train_result.metrics, **distributed}
+        metrics = {**train_result.metrics, **trainer.token_metrics(train_result.metrics["train_runtime"]), **distributed}
         if not isinstance(train_dataset, IterableDataset):
             metrics["train_samples"] = len(train_dataset)
         if budget is not None:

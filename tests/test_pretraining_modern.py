@@ -217,6 +217,10 @@ def test_mlm_objective_saves_a_masked_lm_that_run_glue_fine_tunes(minilm_dir, co
         assert "nsp_loss" not in entry and "nsp_accuracy" not in entry and "mfu" not in entry  # CPU: no peak known
     assert logs[-1]["mlm_loss"] < logs[0]["mlm_loss"]
     assert math.isfinite(results["eval_mlm_loss"]) and "eval_nsp_loss" not in results
+    n = results["train_samples"]  # windows: each epoch takes them all, the last batch of an epoch is smaller
+    sizes = [min(8, n - 8 * (step % math.ceil(n / 8))) for step in range(12)]
+    assert results["train_tokens"] == sum(sizes) * 32  # every token of a window is real
+    assert results["train_tokens_per_second"] == pytest.approx(results["train_tokens"] / results["train_runtime"])
     model = transformers.AutoModelForMaskedLM.from_pretrained(out)
     assert type(model) is BertImplForMaskedLM and not hasattr(model, "nsp_head")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["BertImplForMaskedLM"]
@@ -248,9 +252,17 @@ def test_streaming_mlm_with_document_attention_and_whole_words(minilm_dir, corpu
     run_pretraining.main(recipe_args(
         minilm_dir, corpus_file, tmp_path, "--max_seq_length", 32, "--streaming", "--document_attention",
         "--whole_word_masking", "--do_train", "--max_steps", 4, "--logging_steps", 2, "--save_strategy", "no",
-        "--output_dir", out))
+        "--peak_tflops", 1, "--output_dir", out))
     logs = training_logs(out)
     assert len(logs) == 2 and all(e["seq_length"] == 32 and e["tokens_per_second"] > 0 for e in logs)
+    # mfu x peak / tokens/s: the FLOPs a token, between the layers' alone and with attention over the whole window and
+    # the MLM head on every token
+    config = BertImplConfig.from_preset("tiny", vocab_size=30522)
+    L, H, I, V = config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size
+    layers = 6 * L * (4 * H * H + 2 * H * I)
+    for entry in logs:
+        per_token = entry["mfu"] * 1e12 / entry["tokens_per_second"]
+        assert layers < per_token < layers + 12 * L * H * 32 + 6 * (H * H + H * V), entry
     assert type(transformers.AutoModelForMaskedLM.from_pretrained(out)) is BertImplForMaskedLM
 
 
