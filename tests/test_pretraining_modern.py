@@ -98,6 +98,21 @@ def test_mlm_windows_of_a_corpus_file_have_no_padding_and_the_masked_share_is_ml
             assert within_binomial(selected, maskable, probability), (probability, selected, maskable)
 
 
+def test_mlm_windows_of_several_files_are_those_of_the_files_joined(tokenizer, corpus_file, tmp_path):
+    parts = [tmp_path / "part-1.txt", tmp_path / "part-2.txt"]
+    parts[0].write_text("\n\n".join(DOCUMENTS[:5]) + "\n")
+    parts[1].write_text("\n\n".join(DOCUMENTS[5:]) + "\n")
+
+    def windows(files):
+        data_args = run_pretraining.DataTrainingArguments(
+            train_file=files, objective="mlm", max_seq_length=24, validation_split_percentage=0)
+        model_args = run_pretraining.ModelArguments(cache_dir=str(tmp_path / "cache"))
+        raw, split_lines = run_pretraining.load_raw_datasets(data_args, model_args)
+        return run_pretraining.prepare_examples(raw["train"], tokenizer, data_args, 0, split_lines, "train")["input_ids"]
+
+    assert windows([str(tmp_path / "part-*.txt")]) == windows([corpus_file])
+
+
 def test_packed_windows_attend_within_documents_only():
     """A window packed by document gives each document's tokens the outputs of that document run alone, from
     position 0; without --document_attention the window attends across (different outputs)."""
