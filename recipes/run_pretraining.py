@@ -123,7 +123,7 @@ class DataTrainingArguments:
         default=False,
         metadata={"help": "With --objective mlm: a window's tokens attend only within their own document (the model's "
                           "packed path, positions restarting per document). Default off: attend across documents, as "
-                          "RoBERTa, MosaicBERT and Cramming do, on the faster dense path."},
+                          "RoBERTa, MosaicBERT and Cramming do, on the dense path (no mask, no packed layout)."},
     )
     phases: str | None = field(
         default=None,
