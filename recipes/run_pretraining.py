@@ -129,7 +129,8 @@ class DataTrainingArguments:
         default=None,
         metadata={"help": "Length phases in one run, LENGTH:FRACTION[:BATCH],... e.g. 128:0.9,512:0.1 (fractions of "
                           "--max_steps summing to 1; BATCH: the phase's per-device batch size, default "
-                          "--per_device_train_batch_size). Replaces --max_seq_length; evaluation uses the last phase's."},
+                          "--per_device_train_batch_size). Replaces --max_seq_length; evaluation uses the last "
+                          "phase's."},
     )
 
     def __post_init__(self):
@@ -185,7 +186,8 @@ def parse_phases(text: str) -> list[Phase]:
                 raise ValueError
             phase = Phase(int(parts[0]), float(parts[1]), int(parts[2]) if len(parts) == 3 else None)
         except ValueError:
-            raise ValueError(f"--phases {text!r}: entry {entry!r} is not LENGTH:FRACTION[:BATCH], e.g. 128:0.9") from None
+            raise ValueError(f"--phases {text!r}: entry {entry!r} is not LENGTH:FRACTION[:BATCH], "
+                             "e.g. 128:0.9") from None
         if phase.length < 1 or not 0 < phase.fraction <= 1 or (phase.batch_size is not None and phase.batch_size < 1):
             raise ValueError(f"--phases {text!r}: entry {entry!r} needs a positive length and batch size and a "
                              "fraction in (0, 1]")
@@ -510,7 +512,8 @@ def attention_spans(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         starts = (positions.flatten() == 0).long()
         starts[0] = 1
         span = torch.cumsum(starts, 0) - 1  # (N,) each token's span
-        counts = torch.zeros(span.numel(), device=span.device).scatter_add_(0, span, torch.ones_like(span, dtype=torch.float))
+        ones = torch.ones_like(span, dtype=torch.float)
+        counts = torch.zeros(span.numel(), device=span.device).scatter_add_(0, span, ones)  # (N,) tokens a span
         return torch.tensor(float(span.numel()), device=span.device), (counts * counts).sum()
     B, T = input_ids.shape
     return torch.tensor(float(B * T), device=input_ids.device), torch.tensor(float(B * T * T), device=input_ids.device)
@@ -1050,7 +1053,8 @@ def main(argv: list[str] | None = None) -> dict:
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
-        metrics = {**train_result.metrics, **trainer.token_metrics(train_result.metrics["train_runtime"]), **distributed}
+        tokens = trainer.token_metrics(train_result.metrics["train_runtime"])
+        metrics = {**train_result.metrics, **tokens, **distributed}
         if not isinstance(train_dataset, IterableDataset):
             metrics["train_samples"] = len(train_dataset)
         if budget is not None:

@@ -72,9 +72,11 @@ def test_mlm_windows_of_a_corpus_file_have_no_padding_and_the_masked_share_is_ml
         tokenizer, corpus_file, tmp_path):
     data_args = run_pretraining.DataTrainingArguments(
         train_file=[corpus_file], objective="mlm", max_seq_length=32, validation_split_percentage=0)
-    raw, split_lines = run_pretraining.load_raw_datasets(data_args, run_pretraining.ModelArguments(cache_dir=str(tmp_path)))
+    model_args = run_pretraining.ModelArguments(cache_dir=str(tmp_path))
+    raw, split_lines = run_pretraining.load_raw_datasets(data_args, model_args)
     windows = run_pretraining.prepare_examples(raw["train"], tokenizer, data_args, 0, split_lines, "train")
-    tokens = sum(len(tokenizer(line, add_special_tokens=False)["input_ids"]) for doc in DOCUMENTS for line in doc.split("\n"))
+    lines = [line for doc in DOCUMENTS for line in doc.split("\n")]
+    tokens = sum(len(ids) for ids in tokenizer(lines, add_special_tokens=False)["input_ids"])
     assert len(windows) == (tokens + len(DOCUMENTS)) // 31  # every token and each document's [SEP], cut every 31
     assert set(windows.column_names) == {"input_ids"}
     rows = windows["input_ids"]
@@ -108,7 +110,8 @@ def test_mlm_windows_of_several_files_are_those_of_the_files_joined(tokenizer, c
             train_file=files, objective="mlm", max_seq_length=24, validation_split_percentage=0)
         model_args = run_pretraining.ModelArguments(cache_dir=str(tmp_path / "cache"))
         raw, split_lines = run_pretraining.load_raw_datasets(data_args, model_args)
-        return run_pretraining.prepare_examples(raw["train"], tokenizer, data_args, 0, split_lines, "train")["input_ids"]
+        windows = run_pretraining.prepare_examples(raw["train"], tokenizer, data_args, 0, split_lines, "train")
+        return windows["input_ids"]
 
     assert windows([str(tmp_path / "part-*.txt")]) == windows([corpus_file])
 
@@ -151,8 +154,9 @@ def test_bad_time_budget_is_a_value_error_naming_the_flag(text):
 
 
 def test_phases_parse_and_bad_phases_are_value_errors():
-    assert run_pretraining.parse_phases("128:0.9,512:0.1") == [run_pretraining.Phase(128, 0.9), run_pretraining.Phase(512, 0.1)]
-    assert run_pretraining.parse_phases("64:0.5:32, 128:0.25, 256:0.25:8")[2] == run_pretraining.Phase(256, 0.25, 8)
+    Phase = run_pretraining.Phase
+    assert run_pretraining.parse_phases("128:0.9,512:0.1") == [Phase(128, 0.9), Phase(512, 0.1)]
+    assert run_pretraining.parse_phases("64:0.5:32, 128:0.25, 256:0.25:8")[2] == Phase(256, 0.25, 8)
     for bad, message in (("128:0.9,512:0.2", "sum to 1.1"), ("128:0.9;512:0.1", "not LENGTH:FRACTION"),
                          ("128", "not LENGTH:FRACTION"), ("128:1.5,512:-0.5", "fraction in"), ("0:1", "positive")):
         with pytest.raises(ValueError, match=message) as error:
@@ -343,7 +347,8 @@ def test_time_budget_ends_the_run_on_time_with_the_schedule_at_its_end_and_a_loa
     rates = [e["learning_rate"] for e in training_logs(out)]  # each step's: up over 10% of the time, then down
     top = int(np.argmax(rates))
     assert 0.9e-3 < rates[top] <= 1e-3 and 0.02 < top / len(rates) < 0.3, (top, len(rates))
-    assert all(a <= b for a, b in zip(rates[:top], rates[1:top + 1])) and all(a >= b for a, b in zip(rates[top:], rates[top + 1:]))
+    assert all(a <= b for a, b in zip(rates[:top], rates[1:top + 1]))
+    assert all(a >= b for a, b in zip(rates[top:], rates[top + 1:]))
     assert rates[-1] < 0.05 * 1e-3
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["TimeBudget"]["attributes"]["spent_before"] >= budget
