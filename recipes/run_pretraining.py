@@ -608,8 +608,11 @@ def pack_documents(inputs: dict) -> dict:
     """A batch of windows (B, T) with position_ids restarting at each document (the collator's
     `document_positions_for`) -> one packed row (1, B * T), the model's padding-free layout, in which no token attends
     across a document (nor a window) boundary. The windows have no padding, so the attention mask goes; the token
-    types are all 0, the model's default."""
-    return {"input_ids": inputs["input_ids"].reshape(1, -1), "position_ids": inputs["position_ids"].reshape(1, -1),
+    types are all 0, the model's default. The documents are marked by `seq_idx` too: position ids alone mark packed
+    sequences of at least two tokens, and a window may end on a document's first token."""
+    position_ids = inputs["position_ids"].reshape(1, -1)  # (1, B * T)
+    seq_idx = torch.cumsum(position_ids == 0, dim=-1) - 1  # (1, B * T) each token's document
+    return {"input_ids": inputs["input_ids"].reshape(1, -1), "position_ids": position_ids, "seq_idx": seq_idx,
             "labels": inputs["labels"].reshape(1, -1)}
 
 

@@ -121,8 +121,9 @@ def test_packed_windows_attend_within_documents_only():
     position 0; without --document_attention the window attends across (different outputs)."""
     torch.manual_seed(0)
     model = BertImplForMaskedLM(BertImplConfig.from_preset("tiny", vocab_size=300)).eval()
-    windows = torch.tensor([[CLS, 20, 21, 22, SEP, 30, 31, SEP, 40, 41, 42, 43],
-                            [CLS, 50, 51, 52, 53, 54, SEP, 60, 61, 62, SEP, 70]])
+    # the first window ends on a document's first token: a one-token document followed by the next window's [CLS]
+    windows = torch.tensor([[CLS, 50, 51, 52, 53, 54, SEP, 60, 61, 62, SEP, 70],
+                            [CLS, 20, 21, 22, SEP, 30, 31, SEP, 40, 41, 42, 43]])
     positions = torch.from_numpy(document_positions(windows.numpy(), SEP))
     packed = run_pretraining.pack_documents({"input_ids": windows, "position_ids": positions,
                                              "labels": torch.full_like(windows, -100)})
