@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from .modeling_bert_impl import AUTO_CLASSES
+from ..modeling_bert_impl import AUTO_CLASSES
 
 TAGS = ["bert", "bert_impl"]
 

@@ -44,9 +44,9 @@ from torch.utils.hooks import RemovableHandle
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from . import avx2_gemm
-from .bert_padding import UnpaddedLayout
+from ..bert_padding import UnpaddedLayout
 from .fused_layers import UNMASKED_ATTENTION, group_size
-from .modeling_bert_impl import BertImplModel
+from ..modeling_bert_impl import BertImplModel
 from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
 from .quantization import Int8Linear
 
