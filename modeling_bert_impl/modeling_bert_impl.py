@@ -221,16 +221,26 @@ class BertImplEncoder(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None,
                 padding: torch.Tensor | None = None, output_hidden_states: bool = False, **kwargs) -> BaseModelOutput:
-        """padding: (B, T, 1) bool, True at the padding positions of a padded (B, T, H) stream, or None."""
-        restore = layout.repad if layout is not None else (lambda h: h if padding is None else h.masked_fill(padding, 0))
-        x = layout.unpad(hidden_states) if layout is not None else hidden_states  # (P, H) or (B, T, H)
-        all_hidden = [restore(x)] if output_hidden_states else None
+        """padding: (B, T, 1) bool, True at the padding positions of the padded path's stream, or None. No real token
+        reads a padding position, so zeroing them changes nothing else; where every layer's hidden states are
+        returned, that is done in the stream itself, so that they are the tensors the next layer reads (retain_grad on
+        them works)."""
+        x = hidden_states if layout is None else layout.unpad(hidden_states)  # (B, T, H) or (P, H)
+        all_hidden = []
         for layer in self.layer:
-            x = layer(x, attention_mask, layout=layout, **kwargs)
             if output_hidden_states:
-                all_hidden.append(restore(x))
-        last = all_hidden[-1] if output_hidden_states else restore(x)  # (B, T, H)
-        return BaseModelOutput(last_hidden_state=last, hidden_states=tuple(all_hidden) if output_hidden_states else None)
+                x = zero_padding(x, padding)
+                all_hidden.append(x if layout is None else layout.repad(x))
+            x = layer(x, attention_mask, layout=layout, **kwargs)
+        x = zero_padding(x, padding)
+        last = x if layout is None else layout.repad(x)  # (B, T, H)
+        return BaseModelOutput(last_hidden_state=last,
+                               hidden_states=(*all_hidden, last) if output_hidden_states else None)
+
+
+def zero_padding(x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    """x with zeros where `padding` (broadcastable bool) is True; x itself without one."""
+    return x if padding is None else x.masked_fill(padding, 0)
 
 
 class BertImplPooler(nn.Module):
@@ -533,8 +543,9 @@ class BertImplModel(BertImplPreTrainedModel):
 
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
         layout = self._unpadded_layout(x, attention_mask, packs, batch, max_length_q, output_attentions)
+        implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
         mask = None if layout is not None else self._padded_attention_mask(
-            x, attention_mask, packs, output_attentions, batch)
+            x, attention_mask, packs, implementation, batch.padded)
         padding = (attention_mask == 0).unsqueeze(-1) if layout is None and batch.padded else None  # (B, T, 1)
         encoded = self.encoder(x, mask, layout=layout, padding=padding, output_hidden_states=output_hidden_states,
                                output_attentions=output_attentions)
@@ -567,20 +578,19 @@ class BertImplModel(BertImplPreTrainedModel):
         first = (attention_mask != 0).int().argmax(-1)  # (B,)
         return last[torch.arange(last.shape[0], device=last.device), first][:, None]  # (B, 1, H)
 
-    def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, output_attentions: bool, batch):
+    def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str,
+                               padding: bool | None = None):
         """The padded path's mask for x (B, T, H), made by transformers' mask interface in the form the attention
         implementation takes: additive float (B, 1, T, T) for eager (masked scores at the dtype's minimum, so a row
         that is all padding still gives finite, uniform attention), bool for sdpa, a BlockMask for flex attention, the
         (B, T) mask for flash attention; None when nothing is masked. A packed batch (`packed_cu_seqlens`, no padding)
-        attends block-diagonally: each token to its own sequence only. Whether the batch has padding is what the
-        forward's one host read found (None when traced): knowing it, transformers need not look into the mask for
+        attends block-diagonally: each token to its own sequence only. `padding`: whether the batch has padding, as
+        the forward's one host read found (None when traced): knowing it, transformers need not look into the mask for
         itself (a second host-device sync).
 
         sdpa without packing: the padding mask as it is, bool (B, 1, 1, T), the same for every query (SDPA broadcasts
         it), instead of transformers' copy of it for each query, (B, 1, T, T)."""
-        implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
         B, T = x.shape[:2]
-        padding = batch.padded
         if padding is False:
             attention_mask = None  # all ones: nothing to mask but, for a packed batch, the sequence boundaries
         if attention_mask is None and packed_cu_seqlens is None:
@@ -643,8 +653,7 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, next_sentence_label=None, output_attentions=None, output_hidden_states=None,
-                **packing):
+                labels=None, next_sentence_label=None, **kwargs):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. next_sentence_label: (B,) 0 = B follows A.
 
         `prediction_logits` is (B, T, V); with labels and `config.sparse_prediction` (off by default), the masked rows
@@ -652,8 +661,7 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
         checks = mlm_label_checks(labels, self.config) + class_label_checks(
             "next_sentence_label", next_sentence_label, 2, "2", "class ids")
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        label_checks=checks, **packing)
+                        label_checks=checks, **kwargs)
         prediction_logits, mlm_loss = masked_lm(self.cls.predictions, out.last_hidden_state, labels, self.config.sparse_prediction)
         seq_relationship_logits = self.cls.seq_relationship(out.pooler_output)  # (B, 2)
         nsp_loss = cross_entropy(seq_relationship_logits, next_sentence_label) if next_sentence_label is not None else None
@@ -687,13 +695,12 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, **packing):
+                labels=None, **kwargs):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. `logits` is (B, T, V); with labels and
         `config.sparse_prediction` (off by default), the masked rows only: (M, V) in row-major (B, T) order."""
         checks = mlm_label_checks(labels, self.config)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        label_checks=checks, **packing)
+                        label_checks=checks, **kwargs)
         logits, loss = masked_lm(self.cls.predictions, out.last_hidden_state, labels, self.config.sparse_prediction)
         result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
         return result
@@ -708,11 +715,10 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, **packing):
+                labels=None, **kwargs):
         checks = class_label_checks("labels", labels, 2, "2", "class ids")
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        label_checks=checks, **packing)
+                        label_checks=checks, **kwargs)
         logits = self.cls(out.pooler_output)  # (B, 2)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = NextSentencePredictorOutput(
@@ -736,12 +742,11 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, **packing):
+                labels=None, **kwargs):
         r"""labels: (B,) class ids, (B,) floats for regression (num_labels == 1), or (B, C) multi-hot floats."""
         checks = sequence_classification_label_checks(labels, self.config)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        label_checks=checks, **packing)
+                        label_checks=checks, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output))  # (B, C)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         result = SequenceClassifierOutput(
@@ -761,12 +766,11 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, **packing):
+                labels=None, **kwargs):
         r"""labels: (B, T) class ids, -100 where no label applies (padding, special tokens, later sub-words)."""
         checks = class_label_checks("labels", labels, self.num_labels, f"num_labels={self.num_labels}", "class ids")
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        label_checks=checks, **packing)
+                        label_checks=checks, **kwargs)
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, T, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
@@ -787,8 +791,7 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                start_positions=None, end_positions=None, output_attentions=None, output_hidden_states=None,
-                **packing):
+                start_positions=None, end_positions=None, **kwargs):
         r"""start_positions, end_positions: (B,) token indices of the answer span; positions outside the sequence
         are clamped to T and ignored (as in transformers).
 
@@ -796,8 +799,7 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
         the loss. (transformers' BERT lets padding into the softmax, so with padding its loss differs from ours.)"""
         checks = position_label_checks(start_positions=start_positions, end_positions=end_positions)
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                        label_checks=checks, **packing)
+                        label_checks=checks, **kwargs)
         logits = self.qa_outputs(out.last_hidden_state)  # (B, T, 2)
         if attention_mask is not None:
             logits = logits.masked_fill((attention_mask == 0).unsqueeze(-1), torch.finfo(logits.dtype).min)
@@ -824,7 +826,7 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None):
+                labels=None, **kwargs):
         r"""Inputs are (B, C, T) for C choices; labels: (B,) the index of the right choice."""
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is None or reference.dim() < 3:
@@ -833,8 +835,7 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
         flat = lambda t: t.flatten(0, 1) if t is not None else None  # (B, C, ...) -> (B * C, ...)
         checks = class_label_checks("labels", labels, num_choices, f"num_choices={num_choices}", "choice indices")
         out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                        flat(inputs_embeds), return_dict=True, output_attentions=output_attentions,
-                        output_hidden_states=output_hidden_states, label_checks=checks)
+                        flat(inputs_embeds), return_dict=True, label_checks=checks, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (B, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = MultipleChoiceModelOutput(
