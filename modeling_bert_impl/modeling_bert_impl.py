@@ -456,7 +456,9 @@ class BertImplPreTrainedModel(PreTrainedModel):
         module = type(self).__module__.rsplit(".", 1)[-1]
         auto_map = {auto: f"{module}.{cls.__name__}" for auto, cls in AUTO_CLASSES.items()}
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
-        return super().save_pretrained(save_directory, *args, save_original_format=False, **kwargs)
+        # Our names, not those of the folder it was loaded from (transformers would undo an old folder's renaming).
+        kwargs.setdefault("save_original_format", False)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         """push_to_hub's upload step (also `save_pretrained(push_to_hub=True)`'s): where bert-impl is installed, the
@@ -831,6 +833,10 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is None or reference.dim() < 3:
             raise ValueError("multiple choice inputs must be (batch, num_choices, seq_len)")
+        packing = sorted({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"} & set(kwargs))
+        if packing:
+            raise ValueError(f"multiple choice takes (batch, num_choices, seq_len) inputs, not a packed batch "
+                             f"({', '.join(packing)})")
         num_choices = reference.shape[1]
         flat = lambda t: t.flatten(0, 1) if t is not None else None  # (B, C, ...) -> (B * C, ...)
         checks = class_label_checks("labels", labels, num_choices, f"num_choices={num_choices}", "choice indices")
