@@ -2,6 +2,7 @@
 random small checkpoints written by transformers' BertForX for every head. fp32, eval mode."""
 
 import importlib.util
+import inspect
 import json
 
 import pytest
@@ -697,3 +698,28 @@ def test_saved_folders_hold_stock_parameter_names(tmp_path):
     assert "bert.encoder.layer.0.attention.self.query.weight" in keys["ours"]
     assert json.loads((tmp_path / "stock" / "config.json").read_text())["model_type"] == "bert"
     assert not list((tmp_path / "stock").glob("*.py")) and list((tmp_path / "ours").glob("*.py"))
+
+
+def decision_points(function) -> int:
+    """if/for/while, each and/or, ternaries and comprehension ifs in a function's own source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.For, ast.While, ast.IfExp)):
+            count += 1
+        elif isinstance(node, ast.BoolOp):
+            count += len(node.values) - 1
+        elif isinstance(node, ast.comprehension):
+            count += len(node.ifs)
+    return count
+
+
+def test_the_encoder_forward_reads_like_transformers():
+    """BertModel.forward stays plain: at most 15 decision points (transformers' own has about 10)."""
+    forward = inspect.unwrap(bi.BertImplModel.forward)
+    assert decision_points(forward) <= 15, decision_points(forward)
+    assert decision_points(lambda x: x if x and x > 1 else [y for y in x if y]) == 3  # the counter counts
