@@ -26,7 +26,6 @@ import torch
 import transformers
 
 import modeling_bert_impl as bi
-from modeling_bert_impl.modeling_bert_impl import STOCK_QKV, STOCK_TO_OURS
 
 _REQUESTED = os.environ.get("BERT_IMPL_TEST_DEVICE", "")
 if _REQUESTED not in ("", "cpu", "cuda"):
@@ -143,27 +142,14 @@ def reference(minilm_dir, batch):
     model.train()
     out = model(**batch)
     probe_loss(out.last_hidden_state, out.pooler_output, batch, "padded").backward()
-    grads = stock_gradients_by_our_names(model)
+    grads = stock_gradients(model)
     return {"hidden": real_rows(out.last_hidden_state, batch, "padded").detach(),
             "pooler": out.pooler_output.detach(), "grads": grads}
 
 
-def stock_gradients_by_our_names(model: torch.nn.Module) -> dict:
-    """The gradients of a stock BertModel under our parameter names: the checkpoint key map (STOCK_TO_OURS, renamings
-    in order) applied to each name, and query/key/value concatenated into our fused qkv."""
-    grads, qkv = {}, {}
-    for stock_name, p in model.named_parameters():
-        ours = stock_name
-        for source, target in STOCK_TO_OURS:
-            ours = ours.replace(source, target)
-        part = next((q for q in STOCK_QKV if q in ours), None)
-        if part is not None:
-            qkv.setdefault(ours.replace(part, "attn.qkv"), {})[part] = p.grad
-        else:
-            grads[ours] = p.grad
-    for fused, parts in qkv.items():
-        grads[fused] = torch.cat([parts[q] for q in STOCK_QKV])
-    return grads
+def stock_gradients(model: torch.nn.Module) -> dict:
+    """The gradients of a stock BertModel by parameter name (our names are stock's)."""
+    return {name: p.grad for name, p in model.named_parameters()}
 
 
 def probe_loss(hidden: torch.Tensor, pooled: torch.Tensor, batch: dict, layout: str) -> torch.Tensor:
