@@ -300,7 +300,7 @@ def test_export_command_on_minilm(minilm_dir, tmp_path):
     bi.BertImplForSequenceClassification.from_pretrained(minilm_dir, num_labels=2).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(model_dir)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    command = [sys.executable, "-m", "modeling_bert_impl.export", str(model_dir), str(out)]
+    command = [sys.executable, "-m", "modeling_bert_impl.integrations.export", str(model_dir), str(out)]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "max |diff|" in proc.stdout
