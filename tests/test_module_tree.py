@@ -352,7 +352,8 @@ def test_captum_grad_cam_on_the_input_of_self_attention(stock_dir, our_dir, one)
 
 
 def baseline_inputs(one):
-    """captum's BERT tutorial baseline: [CLS] [PAD]... [SEP], token types 0, position_ids all zeros; one row, no mask."""
+    """captum's BERT tutorial baseline: [CLS] [PAD]... [SEP], token types 0, position_ids all zeros; one row, no
+    mask."""
     ids = one["input_ids"]
     ref = torch.zeros_like(ids)
     ref[0, 0], ref[0, -1] = ids[0, 0], ids[0, -1]

@@ -8,8 +8,8 @@ MODEL is a folder or a Hub id; TASK one of the tasks of tasks.py's table (defaul
 OUTPUT_DIR gets model.onnx (weights inside, or beside it in model.onnx.data above 1 GiB), config.json (stock BERT's,
 by the model file's `write_stock_config`), the tokenizer files when MODEL has them, and export.json (what was exported
 and the measured max |diff| against PyTorch on a padded sample batch of another shape than the one exported). The
-graph is torch.export's of the padded path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask, token_type_ids, each
-(batch, sequence), or (batch, choices, sequence) for multiple choice.
+graph is torch.export's of the padded path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask,
+token_type_ids, each (batch, sequence), or (batch, choices, sequence) for multiple choice.
 """
 
 import argparse
