@@ -172,7 +172,7 @@ class BertImplAttention(nn.Module):
         self.output = BertImplSelfOutput(config)
 
     def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None, **kwargs):
-        attention_output, weights = self.self(hidden_states, attention_mask, layout=layout, **kwargs)
+        attention_output, weights = self.self(hidden_states, attention_mask=attention_mask, layout=layout, **kwargs)
         return self.output(attention_output, hidden_states), weights
 
 
@@ -548,7 +548,8 @@ class BertImplModel(BertImplPreTrainedModel):
         implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
         mask = None if layout is not None else self._padded_attention_mask(
             x, attention_mask, packs, implementation, batch.padded)
-        padding = (attention_mask == 0).unsqueeze(-1) if layout is None and batch.padded else None  # (B, T, 1)
+        padded_stream = layout is None and attention_mask is not None and batch.padded is not False  # None: traced
+        padding = (attention_mask == 0).unsqueeze(-1) if padded_stream else None  # (B, T, 1)
         encoded = self.encoder(x, mask, layout=layout, padding=padding, output_hidden_states=output_hidden_states,
                                output_attentions=output_attentions)
         last = encoded.last_hidden_state  # (B, T, H)
@@ -575,7 +576,7 @@ class BertImplModel(BertImplPreTrainedModel):
         first position (zeros). last: (B, T, H)."""
         if packs is not None:
             return last[0, packs[:-1].long()][:, None]  # (S, 1, H)
-        if not batch.padded:
+        if attention_mask is None or batch.padded is False:  # padded None: traced, the mask decides
             return last
         first = (attention_mask != 0).int().argmax(-1)  # (B,)
         return last[torch.arange(last.shape[0], device=last.device), first][:, None]  # (B, 1, H)

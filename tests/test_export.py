@@ -36,17 +36,6 @@ PER_POSITION = ["BertImplModel", "BertImplForPreTraining", "BertImplForMaskedLM"
                 "BertImplForQuestionAnswering"]  # the classes with outputs at every position
 
 
-# A bug of the model file, reported to its owner: under torch.export (and torch.jit.trace) the forward cannot read
-# whether the mask has padding (`BatchFacts.padded` is None, or a traced tensor), and BertImplModel.forward takes
-# that as "no padding" (`... and batch.padded`, `if not batch.padded` in _first_tokens): the exported graph leaves
-# hidden states at padding unzeroed and pools position 0 instead of each row's first real token. The fix, checked on
-# this file (28 passed): `padding = ... if layout is None and attention_mask is not None and batch.padded is not
-# False`, and `if attention_mask is None or batch.padded is False: return last` in _first_tokens.
-EXPORT_READS_PADDING_AS_NONE = pytest.mark.xfail(
-    strict=True, reason="model bug: under torch.export BatchFacts.padded is None and forward treats it as no padding "
-                        "(hidden states at padding not zeroed, pooler reads position 0)")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def onnx_op_table_built_once():
     """torch.onnx rebuilds its table of ONNX functions from onnxscript on every export (most of an export's time for
@@ -131,7 +120,6 @@ def export_class(name: str):
     return model, program, onnx_program, choices
 
 
-@EXPORT_READS_PADDING_AS_NONE
 @pytest.mark.parametrize("name", CLASSES)
 def test_every_class_exports_with_dynamic_shapes_and_runs_in_onnxruntime(name, tmp_path):
     """Every output element, hidden states included, on another B and T than the example, against eager (unpadded)."""
@@ -157,7 +145,6 @@ def exact_layout(monkeypatch):
                                                                                                     bucketed=False)))
 
 
-@EXPORT_READS_PADDING_AS_NONE
 @pytest.mark.parametrize("name", CLASSES)
 def test_every_path_gives_eager_answer_at_every_position(name, monkeypatch):
     """One behaviour at padding on every path: each path's outputs, every element, against eager's (unpadded,
@@ -193,7 +180,6 @@ def test_static_export_also_with_the_padded_path():
     assert max_diff(got.pooler_output, expected.pooler_output, batch["attention_mask"]) <= TOL
 
 
-@EXPORT_READS_PADDING_AS_NONE
 def test_a_row_of_padding_only_is_zeros_on_every_path(monkeypatch):
     """Hidden states of a row without a token are zeros, and it pools a zero vector, on every path."""
     model = build_class("BertImplModel")

@@ -339,10 +339,6 @@ def test_captum_grad_cam_on_self_attention(kind, stock_dir, our_dir, one, padded
             assert g.abs().max() > 0 and max_diff(g, e) < TOL
 
 
-@pytest.mark.xfail(strict=True, reason="attention.self is called with attention_mask as a positional argument "
-                   "(BertImplAttention.forward: self.self(hidden_states, attention_mask, layout=...)) where stock "
-                   "passes it by keyword: a forward pre-hook sees (hidden_states, mask) instead of stock's "
-                   "(hidden_states,), and captum's attribute_to_layer_input refuses the None mask")
 def test_captum_grad_cam_on_the_input_of_self_attention(stock_dir, our_dir, one):
     """LayerGradCam on the input of `attention.self` (SDPA, default config, one sentence): stock's module is given
     the hidden states only as its positional input."""
