@@ -219,10 +219,18 @@ def kernel_modules(base: nn.Module):
         targets += [(intermediate, "intermediate_act_fn", nn.Identity())] if gelu else []
     if base.pooler is not None and isinstance(base.pooler.dense, nn.Linear):
         targets.append((base.pooler, "dense", kernel_product([base.pooler.dense])))
+    with swapped(targets):
+        yield
+
+
+@contextmanager
+def swapped(targets: list[tuple[nn.Module, str, nn.Module]]):
+    """Each (parent, name, module): `module` set as parent's child `name` while the block runs, the original back
+    after."""
     originals = [(parent, name, getattr(parent, name)) for parent, name, _ in targets]
     try:
-        for parent, name, kernel in targets:
-            setattr(parent, name, kernel)
+        for parent, name, module in targets:
+            setattr(parent, name, module)
         yield
     finally:
         for parent, name, module in reversed(originals):

@@ -13,11 +13,12 @@ padding in one run (above 2,048 tokens, one per group of sequences: `dense`); wi
 the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into groups padded to their
 longest, one run per group, so that the products skip nearly all the padding. The heads run on its outputs as before,
 and everything else (float32's padded batches, whose eager path is as fast; hidden states or attention maps asked for,
-packed batches, inputs that need gradients, hooks or replaced modules) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An
-int8 model (`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program on a CPU
-with AVX-512 VNNI (`INT8_CONFIGS`), our int8 kernel on an AVX2 CPU (avx2_gemm.py), oneDNN's elsewhere: the program
-computes `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's
-(and, on some shapes, the template's fused quantizing rounds a few differently again).
+packed batches, inputs that need gradients, hooks or replaced modules) stays the eager path, `optimize_for_inference`'s.
+Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model (`quantize_for_inference`) compiles too, its
+products inductor's own C++ int8 GEMM in the program on a CPU with AVX-512 VNNI (`INT8_CONFIGS`), our int8 kernel on
+an AVX2 CPU (avx2_gemm.py), oneDNN's elsewhere: the program computes `Int8Linear`'s traced formulation, whose
+activations round a little differently from the eager int8 kernel's (and, on some shapes, the template's fused
+quantizing rounds a few differently again).
 
 Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores; on an AVX2 CPU
 11-16 s more the first time, to build the kernels into inductor's cache), and the package, loaded, holds one more copy
@@ -28,22 +29,23 @@ written over. A package compiled with the kernels needs them where
 it is loaded: built there (the same compiler) or found in the cache.
 """
 
+import functools
 import hashlib
 import json
 import math
 import os
 import tempfile
 from collections import OrderedDict
-from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from . import avx2_gemm
 from ..bert_padding import UnpaddedLayout
 from ..modeling_bert_impl import BertImplModel
-from .frozen_model import InferenceModule, ModuleTree, inference_copy
+from .frozen_model import InferenceModule, ModuleTree, inference_class, inference_copy
 from .fused_layers import UNMASKED_ATTENTION, group_size
 from .packed_linear import untraced
 from .quantization import Int8Linear
@@ -98,7 +100,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
         if package_path is None:
             package_path = os.path.join(tempfile.mkdtemp(prefix="bert_impl_"), "model.pt2")
         runner = compile_package(frozen_base, os.fspath(package_path), metadata)
-    frozen_base.__class__ = CompiledBertImplModel
+    frozen_base.__class__ = compiled_class(type(frozen_base))
     frozen_base.compiled_encoder = CompiledEncoder(runner, frozen_base)
     frozen_base.program_tree = ModuleTree(frozen_base)
     return frozen
@@ -120,8 +122,8 @@ def check_metadata(found: dict, metadata: dict, package_path: str) -> None:
 
 class CompiledBertImplModel(InferenceModule, BertImplModel):
     """The encoder model of `compile_for_inference`'s inference model (made by swapping the class of the copy's
-    BertImplModel): its forward runs the compiled program where it stands in for the model (`CompiledEncoder`), the
-    model's own forward elsewhere."""
+    BertImplModel for `compiled_class` of it): its forward runs the compiled program where it stands in for the model
+    (`CompiledEncoder`), the model's own forward elsewhere."""
 
     # set by compile_for_inference: compiled_encoder (a CompiledEncoder, None to set it aside), program_tree
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -141,12 +143,24 @@ class CompiledBertImplModel(InferenceModule, BertImplModel):
     def program_may_run(self, inputs_embeds, output_attentions, output_hidden_states, cu_seq_lens_q, seq_idx,
                         label_checks, kwargs) -> bool:
         """ids (not embeddings) of an unpacked batch, no outputs the program does not give, no labels to check (the
-        eager path names bad ones), and the modules as compiled (no hooks, none replaced)."""
+        eager path names bad ones), and the modules as compiled (float32 on CPU, no hooks, none replaced)."""
+        weight = self.embeddings.word_embeddings.weight
         return (self.compiled_encoder is not None and inputs_embeds is None
+                and weight.dtype == torch.float32 and weight.device.type == "cpu"
                 and not config_default(output_attentions, self.config.output_attentions)
                 and not config_default(output_hidden_states, self.config.output_hidden_states)
                 and cu_seq_lens_q is None and seq_idx is None and not label_checks and not kwargs
                 and self.program_tree.unchanged())
+
+
+@functools.cache
+def compiled_class(cls: type) -> type:
+    """CompiledBertImplModel's forward on `cls` (BertImplModel, or a subclass of it such as `apply_bert_impl`'s)."""
+    if issubclass(cls, CompiledBertImplModel):
+        return cls
+    if cls in (BertImplModel, inference_class(BertImplModel)):
+        return CompiledBertImplModel
+    return type(f"Compiled{cls.__name__}", (CompiledBertImplModel, cls), {"__module__": __name__})
 
 
 def config_default(value, default):
@@ -217,13 +231,51 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
     configs = {"freezing": True, "aot_inductor.metadata": metadata, **gemm_configs(base)}
-    kernels = avx2_gemm.kernel_modules(base) if avx2_gemm.chosen(base) else nullcontext()
+    kernels = avx2_gemm.kernel_modules(base) if avx2_gemm.chosen(base) else joint_attention(base)
     with torch.no_grad(), kernels:
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4)
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
                                                            inductor_configs=configs)
     return torch._inductor.aoti_load_package(written)
+
+
+class JointAttention(nn.Module):
+    """A layer's self-attention (BertImplSelfAttention) for the program: query, key and value in one product (`qkv`,
+    of their weights concatenated: one GEMM in the program, as the fused layers run them), then torch's attention."""
+
+    def __init__(self, attention: nn.Module, qkv: nn.Module):
+        super().__init__()
+        self.qkv, self.num_heads, self.scaling = qkv, attention.num_attention_heads, attention.scaling
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):  # (B, T, H) -> (B, T, H), None
+        B, T, H = hidden_states.shape
+        qkv = self.qkv(hidden_states).view(B, T, 3, self.num_heads, H // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, N, T, D)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:  # eager's additive mask, as it is
+            attention_mask = attention_mask.to(q.dtype)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling)
+        return y.transpose(1, 2).reshape(B, T, H), None
+
+
+def joint_product(layers: list[nn.Module]) -> nn.Module:
+    """One module computing `layers` (of one input: nn.Linear or Int8Linear) side by side."""
+    if isinstance(layers[0], Int8Linear):
+        return Int8Linear.concat(layers)
+    joint = nn.Linear(layers[0].in_features, sum(m.out_features for m in layers))
+    joint.weight.data = torch.cat([m.weight.detach() for m in layers])
+    joint.bias.data = torch.cat([m.bias.detach() for m in layers])
+    return joint
+
+
+def joint_attention(base: BertImplModel):
+    """While tracing the program: each layer's self-attention a `JointAttention`; put back after."""
+    targets = []
+    for layer in base.encoder.layer:
+        attention = layer.attention.self
+        qkv = joint_product([attention.query, attention.key, attention.value])
+        targets.append((layer.attention, "self", JointAttention(attention, qkv)))
+    return avx2_gemm.swapped(targets)
 
 
 CPU_INT64 = lambda t: t.dtype == torch.int64 and t.device.type == "cpu"  # noqa: E731

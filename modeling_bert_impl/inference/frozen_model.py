@@ -10,6 +10,7 @@ changes the inference model's answers.
 import copy
 import functools
 import itertools
+import operator
 
 from torch import nn
 from torch.nn.modules import module as module_hooks
@@ -23,7 +24,8 @@ CAPTURE_HOOK = "output_capturing_hook"  # transformers' hooks that record attent
 
 class InferenceModule:
     """Refuses what would train an inference model or change its weights: `.train()`, `requires_grad_(True)`,
-    `load_state_dict`. `.eval()` is allowed."""
+    `load_state_dict`; `.eval()` is allowed. Saving it is refused too (`save_pretrained` would write the engine's
+    classes into the folder): the model it was made from saves the same weights."""
 
     made_by: str  # the engine's function (`inference_copy`)
 
@@ -39,6 +41,11 @@ class InferenceModule:
 
     def load_state_dict(self, *args, **kwargs):
         raise ValueError(self.refusal("load_state_dict()"))
+
+    def save_pretrained(self, *args, **kwargs):
+        raise ValueError(f"{type(self).__name__}.save_pretrained(): this is an inference model made by {self.made_by}; "
+                         f"save the model you passed to {self.made_by} (the same weights), and call {self.made_by} on "
+                         "it where it is loaded")
 
     def refusal(self, call: str) -> str:
         return REFUSED.format(what=f"{type(self).__name__}.{call}", engine=self.made_by)
@@ -65,23 +72,34 @@ def inference_copy(model: nn.Module, engine: str) -> nn.Module:
 
 class ModuleTree:
     """The modules below a root as they were when an inference path was built on them: `unchanged()` is False once a
-    module was replaced (PEFT's adapters, user code), a forward hook registered on one or for every module, or a
-    `forward` patched onto one, so that the path steps aside and the modules run. transformers' own hooks that record attention maps are not counted (the
-    paths step aside whenever those are asked for)."""
+    module or a parameter was replaced (PEFT's adapters, user code), a module set to training mode, a forward hook
+    registered on one or for every module, or a `forward` patched onto one, so that the path steps aside and the
+    modules run. transformers' own hooks that record attention maps are not counted (the paths step aside whenever
+    those are asked for). Each look is a few comparisons of lists, in C: no Python step per module."""
 
     def __init__(self, root: nn.Module):
         modules = list(root.modules())
-        self.children = [m._modules for m in modules]  # the live dicts
+        # the live dicts that are not empty (a module given a child or parameter where it had none computes the same)
+        self.children = [d for m in modules for d in (m._modules, m._parameters) if d]
         self.built = [dict(children) for children in self.children]
         self.hooks = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
         self.states = [m.__dict__ for m in modules]
 
     def unchanged(self) -> bool:
-        if self.children != self.built or module_hooks._global_forward_hooks:
+        if not self.same_children() or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
             return False
-        if any(map(dict.__contains__, self.states, itertools.repeat("forward"))):
-            return False
-        if module_hooks._global_forward_pre_hooks:
+        if any(map(TRAINING, self.states)) or any(map(dict.__contains__, self.states, itertools.repeat("forward"))):
             return False
         return not any(self.hooks) or all(getattr(hook, "__name__", None) == CAPTURE_HOOK
                                            for hooks in self.hooks for hook in hooks.values())
+
+    def same_children(self) -> bool:
+        """The same module and parameter objects under the same names. (Comparing dicts compares their values by
+        identity first; a parameter replaced by another compares as a tensor, whose truth value raises.)"""
+        try:
+            return self.children == self.built
+        except RuntimeError:
+            return False
+
+
+TRAINING = operator.itemgetter("training")

@@ -72,7 +72,8 @@ def packed_products(layer: nn.Module) -> LayerProducts:
     bias = torch.cat([p.bias.detach() for p in projections])  # (3H,)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
     linears = (layer.attention.output.dense, layer.intermediate.dense, layer.output.dense)
-    return LayerProducts(PackedProduct(Frozen(packed), bias), *(PackedProduct(m.packed, m.bias) for m in linears))
+    others = (PackedProduct(m.packed.packed, m.bias) for m in linears)
+    return LayerProducts(PackedProduct(Frozen(packed), bias), *others)
 
 
 class FusedEncoder(InferenceModule, BertImplEncoder):

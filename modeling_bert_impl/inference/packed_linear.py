@@ -11,6 +11,8 @@ and so does the exact (erf) GELU that the feed-forward block's first product ask
 (`fuse_gelu`).
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,6 +70,11 @@ def pack(weight: torch.Tensor) -> Frozen:
     return Frozen(torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()))
 
 
+class PackedWeight(NamedTuple):
+    packed: Frozen  # `pack(weight)`
+    weight: torch.Tensor  # the parameter it was packed from (a copy of the model holds its own)
+
+
 def packed_product(x, packed: torch.Tensor, bias, activation=None, residual=None):
     """activation(x W^T + b) (+ residual) with W packed by `pack`. (..., in) -> (..., out)"""
     fused = activation is not None and is_exact_gelu(activation) and fuse_gelu()
@@ -81,14 +88,16 @@ def packed_product(x, packed: torch.Tensor, bias, activation=None, residual=None
 
 class PackedLinear(nn.Linear):
     """An nn.Linear of an inference model, with its weight packed at the engine's call (`packed`); the product runs on
-    it in CPU float32 inference, and as `F.linear` elsewhere (traced, autocast, gradients, another dtype or device).
-    Made by swapping an nn.Linear's class (`pack_linears`): parameters, hooks and tied weights stay."""
+    it in CPU float32 inference, and as `F.linear` elsewhere (traced, autocast, gradients, another dtype or device, a
+    weight parameter replaced). Made by swapping an nn.Linear's class (`pack_linears`): parameters, hooks and tied
+    weights stay."""
 
-    packed: Frozen
+    packed: PackedWeight
 
     def forward(self, x):
-        if cpu_inference(x) and packable_weight(self.weight):
-            return packed_product(x, self.packed.value, self.bias)
+        packed = self.packed
+        if packed.weight is self.weight and cpu_inference(x) and packable_weight(self.weight):
+            return packed_product(x, packed.packed.value, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -97,4 +106,4 @@ def pack_linears(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is nn.Linear and packable_weight(module.weight):
             module.__class__ = PackedLinear
-            module.packed = pack(module.weight)
+            module.packed = PackedWeight(pack(module.weight), module.weight)

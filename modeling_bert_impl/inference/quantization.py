@@ -110,6 +110,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, inv_smooth: torch.Tensor, bias: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
+        weight_int8 = weight_int8.contiguous()  # (gptq_round's is a transposed view; inductor reads it as contiguous)
         zero_point = torch.zeros_like(scale, dtype=torch.long)
         with warnings.catch_warnings():  # quantized tensors are deprecated as a user-facing type; the ops are not
             warnings.simplefilter("ignore")
@@ -152,7 +153,7 @@ class Int8Linear(nn.Module):
     def split(self, sizes: list[int]) -> list["Int8Linear"]:
         """The layer cut along its outputs into layers of `sizes` outputs each; `concat`'s inverse."""
         parts = zip(*(t.split(sizes) for t in (self.weight_int8, self.scale, self.bias)))
-        return [Int8Linear(w.contiguous(), s.contiguous(), self.inv_smooth, b.contiguous()) for w, s, b in parts]
+        return [Int8Linear(w, s.contiguous(), self.inv_smooth, b.contiguous()) for w, s, b in parts]
 
     def forward(self, x):  # (..., in) float32 -> (..., out)
         x = x * self.inv_smooth
