@@ -365,6 +365,21 @@ def test_packages_are_reused_and_never_written_over(packages, encoder_state, tmp
     assert len(calls) == 2
 
 
+def test_loaded_compiled_and_called_under_inference_mode(packages, encoder_state):
+    """A serving function decorated with torch.inference_mode() that loads the model, compiles it (here: loads the
+    package) and calls it: the program runs, with the eager path's outputs."""
+    with torch.inference_mode():
+        torch.manual_seed(1)
+        model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+        model.load_state_dict(encoder_state)
+        compiled_model = bi.compile_for_inference(model, packages[True])
+        calls = program_calls(compiled_model)
+        ids = random_ids(2, seed=9)
+        got, expected = compiled_model(input_ids=ids), model(input_ids=ids)
+    assert len(calls) == 1
+    assert_same_outputs(got, expected)
+
+
 def test_a_package_of_another_format_is_refused(packages, encoder_state, monkeypatch):
     monkeypatch.setattr(compiled_encoder, "FORMAT", "bert-impl compiled model 4")
     with pytest.raises(ValueError, match=re.escape("compiled from another package format (format 'bert-impl compiled "

@@ -177,3 +177,15 @@ def test_query_key_and_value_are_one_product(minilm_dir, text, monkeypatch):
         again = int8(**batch).last_hidden_state
     assert (fused - modules)[real_tokens].abs().max() < 1e-4
     assert torch.equal(again, fused)
+
+
+def test_loaded_quantized_and_called_under_inference_mode(minilm_dir, text):
+    """A serving function decorated with torch.inference_mode() that loads the model, quantizes it and calls it."""
+    calibration, evaluation = text
+    batch = evaluation[0]
+    real = batch["attention_mask"].bool()
+    with torch.inference_mode():
+        fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+        int8 = quantize_for_inference(fp32, calibration[:1])
+        got, expected = int8(**batch).last_hidden_state[real], fp32(**batch).last_hidden_state[real]
+    assert F.cosine_similarity(got, expected, dim=-1).min() > 0.98

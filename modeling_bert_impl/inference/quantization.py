@@ -209,7 +209,7 @@ def quantize_for_inference(model: nn.Module, calibration) -> nn.Module:
         for (parent, name), part in zip(places, parts):
             setattr(parent, name, part)
         products.append(ModuleProduct(joint if len(linears) > 1 else parts[0]))
-    pack_linears(frozen)  # the pooler and the heads
+    pack_linears(frozen.eval())  # the new layers in eval mode too; the pooler and the heads packed
     fuse_encoder(encoder, [LayerProducts(*products[i:i + 4]) for i in range(0, len(products), 4)])
     return frozen
 
