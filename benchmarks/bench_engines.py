@@ -7,15 +7,17 @@ all-MiniLM-L6-v2 weights, fp32, 2 threads for every engine. Engines (each skippe
 package is not installed; `pip install bert-impl[bench]` installs them all):
 
 - transformers: the stock `BertModel`, `attn_implementation="sdpa"` (the reference every ratio is taken against);
-- bert-impl: `BertImplModel.from_pretrained`, as a user gets it (the default path: CPU inference takes the packed
-  linear layers of modeling_bert_impl/packed_linear.py with no opting in);
-- bert-impl serving: the same after `optimize_for_inference(model)` (modeling_bert_impl/serving.py);
-- bert-impl compiled: after `compile_for_inference(model, path)` (modeling_bert_impl/compiled_encoder.py): the
-  forward compiled ahead of time by AOTInductor (batch 1 and the dense batch run it; padded batches take the default
-  path, as fast there); its compile time is printed with the others' set-up;
-- bert-impl int8: after `quantize_for_inference(model, calibration)` (modeling_bert_impl/quantization.py), calibrated on
-  256 paragraphs of real text (`pydoc_data.topics`, as bench_encode.py), not those its accuracy is measured on;
-- bert-impl int8 compiled: that int8 model after `compile_for_inference` (its products inductor's C++ int8 GEMM;
+- bert-impl: `BertImplModel.from_pretrained`, as a user gets it (the default path: the plain model, padding-free);
+- bert-impl optimized: the inference model `optimize_for_inference(model)` returns (modeling_bert_impl/inference/:
+  packed oneDNN weights, query, key and value in one product, fused layers);
+- bert-impl compiled: the inference model `compile_for_inference(model, path)` returns
+  (modeling_bert_impl/inference/compiled_encoder.py): the encoder compiled ahead of time by AOTInductor (batch 1 and
+  the dense batch run it; padded batches take the optimized path, as fast there); its compile time is printed with
+  the others' set-up;
+- bert-impl int8: the inference model `quantize_for_inference(model, calibration)` returns
+  (modeling_bert_impl/inference/quantization.py), calibrated on 256 paragraphs of real text (`pydoc_data.topics`, as
+  bench_encode.py), not those its accuracy is measured on;
+- bert-impl int8 compiled: `compile_for_inference` of that int8 model (its products inductor's C++ int8 GEMM;
   padded batches run the program once per group of similar lengths);
 - ORT: ONNX Runtime on an ONNX export of the stock `BertModel`, fused by ORT's transformer optimizer
   (`onnxruntime.transformers.optimizer`, model_type "bert");
@@ -36,10 +38,9 @@ average is printed per workload (the 2 cores may be shared). Before timing, each
 with transformers' on the real tokens of the workload's first batch (max |diff|).
 
 CTranslate2 runs in a process of its own (the script starts it), beside transformers as its reference there: once it
-has run in a process, the torch engines in that process stay slower (at batch 1 x 16, bert-impl serving 4.3 ms before
-one CTranslate2 call and 6.9 ms after it, for good; transformers 7.6 and 10.2 ms), which no user serving one engine
-meets. Its cells in the summary are marked * (ratios to transformers in its process, which it slows; ms as measured
-there).
+has run in a process, the torch engines in that process stay slower (their batch-1 latency grew by half after one
+CTranslate2 call, for good), which no user serving one engine meets. Its cells in the summary are marked * (ratios to
+transformers in its process, which it slows; ms as measured there).
 
 int8 accuracy (`--only accuracy`): each int8 engine against float32 transformers on 256 other paragraphs of the same
 text: per-token cosine similarity of the last hidden state (real tokens), and with `--classifier DIR` (a fine-tuned
@@ -89,7 +90,7 @@ from modeling_bert_impl import (  # noqa: E402
 
 CLS, SEP = 101, 102
 THREADS = 2
-ENGINES = ["transformers", "bert-impl", "bert-impl serving", "bert-impl compiled", "bert-impl int8",
+ENGINES = ["transformers", "bert-impl", "bert-impl optimized", "bert-impl compiled", "bert-impl int8",
            "bert-impl int8 compiled", "ORT", "ORT int8", "CTranslate2", "OpenVINO", "transformers + compile",
            "bert-impl + compile"]
 ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
@@ -281,18 +282,22 @@ def optional(name: str, package: str, build):
 
 def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
     ref = BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
-    ours = BertImplModel.from_pretrained(model_dir).eval()
-    serving = optimize_for_inference(BertImplModel.from_pretrained(model_dir).eval())
-    calibration = lambda: text_batches(model_dir, calibration_texts())  # noqa: E731 (tokenized by the int8 rows)
+    ours = BertImplModel.from_pretrained(model_dir).eval()  # the default path; the engines' models are made from it
+    int8 = {}  # the int8 model, made once for both int8 rows (tokenizing the calibration text on first use)
+
+    def int8_of_ours():
+        if not int8:
+            int8["model"] = quantize_for_inference(ours, text_batches(model_dir, calibration_texts()))
+        return int8["model"]
+
     builders = {
         "transformers": lambda: torch_engine(ref),
         "bert-impl": lambda: torch_engine(ours),
-        "bert-impl serving": lambda: torch_engine(serving),
-        "bert-impl compiled": lambda: torch_engine(compile_for_inference(
-            BertImplModel.from_pretrained(model_dir), os.path.join(workdir, "bert_impl.pt2"))),
-        "bert-impl int8": lambda: torch_engine(int8_model(BertImplModel, model_dir, calibration())),
+        "bert-impl optimized": lambda: torch_engine(optimize_for_inference(ours)),
+        "bert-impl compiled": lambda: torch_engine(compile_for_inference(ours, os.path.join(workdir, "bert_impl.pt2"))),
+        "bert-impl int8": lambda: torch_engine(int8_of_ours()),
         "bert-impl int8 compiled": lambda: torch_engine(compile_for_inference(
-            int8_model(BertImplModel, model_dir, calibration()), os.path.join(workdir, "bert_impl_int8.pt2"))),
+            int8_of_ours(), os.path.join(workdir, "bert_impl_int8.pt2"))),
         "ORT": lambda: optional("ORT", "onnxruntime", lambda: ort_engine(model_dir, workdir)),
         "ORT int8": lambda: optional("ORT int8", "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=True)),
         "CTranslate2": lambda: optional("CTranslate2", "ctranslate2", lambda: ct2_engine(model_dir, workdir)),
@@ -436,10 +441,10 @@ def int8_accuracy(model_dir: str, workdir: str, classifier_dir: str | None):
     batches = text_batches(model_dir, evaluation_texts())
     calibration = text_batches(model_dir, calibration_texts())
     reference = torch_engine(BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval())
+    int8 = int8_model(BertImplModel, model_dir, calibration)
     engines = {"bert-impl": torch_engine(BertImplModel.from_pretrained(model_dir).eval()),
-               "bert-impl int8": torch_engine(int8_model(BertImplModel, model_dir, calibration)),
-               "bert-impl int8 compiled": torch_engine(compile_for_inference(
-                   int8_model(BertImplModel, model_dir, calibration), os.path.join(workdir, "int8.pt2")))}
+               "bert-impl int8": torch_engine(int8),
+               "bert-impl int8 compiled": torch_engine(compile_for_inference(int8, os.path.join(workdir, "int8.pt2")))}
     for name, int8 in (("ORT", False), ("ORT int8", True)):
         engine = optional(name, "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=int8))
         if engine is not None:
@@ -466,9 +471,9 @@ def classifier_agreement(classifier_dir: str, calibration: list[dict], workdir: 
     import csv
 
     fp32 = BertImplForSequenceClassification.from_pretrained(classifier_dir).eval()
-    int8 = [int8_model(BertImplForSequenceClassification, classifier_dir, calibration) for _ in range(2)]
-    models = {"float32": fp32, "int8": int8[0],
-              "int8 compiled": compile_for_inference(int8[1], os.path.join(workdir, "classifier_int8.pt2"))}
+    int8 = quantize_for_inference(fp32, calibration)
+    models = {"float32": fp32, "int8": int8,
+              "int8 compiled": compile_for_inference(int8, os.path.join(workdir, "classifier_int8.pt2"))}
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "data",
                         "sentiment_validation.csv")
     with open(path) as f:
@@ -548,9 +553,10 @@ def qa_agreement(model_dir: str, workdir: str):
     calibration = [dict(tokenizer([q for q, _ in train[i:i + 32]], [c for _, c in train[i:i + 32]], padding=True,
                                   truncation="only_second", max_length=128, return_tensors="pt"))
                    for i in range(0, 256, 32)]
-    int8 = [int8_model(BertImplForQuestionAnswering, out, calibration) for _ in range(2)]
-    models = {"float32": BertImplForQuestionAnswering.from_pretrained(out).eval(), "int8": int8[0],
-              "int8 compiled": compile_for_inference(int8[1], os.path.join(workdir, "qa_int8.pt2"))}
+    fp32 = BertImplForQuestionAnswering.from_pretrained(out).eval()
+    int8 = quantize_for_inference(fp32, calibration)
+    models = {"float32": fp32, "int8": int8,
+              "int8 compiled": compile_for_inference(int8, os.path.join(workdir, "qa_int8.pt2"))}
     with open(files["dev"]) as f:
         dev = [(p["qas"][0]["question"], p["context"], p["qas"][0]["answers"][0]["text"])
                for a in json.load(f)["data"] for p in a["paragraphs"]]

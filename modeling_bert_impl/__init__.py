@@ -3,7 +3,11 @@
 Importing this package registers `bert_impl` with transformers' Auto classes (config, every head, and the tokenizer
 from the `tokenization` package), so `AutoModelForX.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`
 give our classes without `trust_remote_code`. With peft installed, it also gives "bert_impl" peft's default target
-modules and makes PeftModel move adapters between our module names and stock BERT's (`peft_support`).
+modules (`integrations.peft_support`).
+
+Layout: the checkpoint's code (configuration, model, padding helpers, input checks) flat here, copied into saved
+folders; the CPU inference engine in `inference/`; PEFT, `apply_bert_impl`, ONNX export and the model card in
+`integrations/`.
 """
 
 from transformers import AutoConfig, AutoTokenizer
@@ -24,17 +28,10 @@ from .modeling_bert_impl import (
     BertImplModel,
     BertImplPreTrainedModel,
 )
-from .model_card import write_model_card
-from .patching import apply_bert_impl, revert_bert_impl
-from .peft_support import (
-    convert_adapter_to_stock,
-    convert_adapters_on_save_and_load,
-    convert_stock_adapter,
-    register_peft_defaults,
-)
-from .compiled_encoder import compile_for_inference
-from .quantization import quantize_for_inference
-from .serving import optimize_for_inference
+from .inference import compile_for_inference, optimize_for_inference, quantize_for_inference
+from .integrations.model_card import write_model_card
+from .integrations.patching import apply_bert_impl, revert_bert_impl
+from .integrations.peft_support import register_peft_defaults
 
 
 def _register() -> None:
@@ -48,7 +45,6 @@ def _register() -> None:
 
 _register()
 register_peft_defaults()  # peft's default target_modules for "bert_impl" (nothing without peft)
-convert_adapters_on_save_and_load()  # adapters in stock BERT's module names where the base is stock BERT
 
 __all__ = [
     "PRESETS",
@@ -67,8 +63,6 @@ __all__ = [
     "write_model_card",
     "apply_bert_impl",
     "revert_bert_impl",
-    "convert_stock_adapter",
-    "convert_adapter_to_stock",
     "optimize_for_inference",
     "quantize_for_inference",
     "compile_for_inference",

@@ -61,12 +61,22 @@ def pad(x: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torc
 
 def sequence_starts(position_ids: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
     """The first token of each packed sequence, (nnz,) bool: where `seq_idx` (the index of each token's sequence)
-    changes, else where `position_ids` restart at 0; token 0 always starts one."""
+    changes, else where `position_ids` restart at 0 after a position that is not 0; token 0 always starts one.
+
+    A packed BERT sequence holds at least [CLS] and [SEP], so a run of zeros never marks one-token sequences: it is one
+    sequence whose positions are all 0 (captum's usual baseline), as stock BERT reads it."""
     if seq_idx is not None:
         starts = F.pad(seq_idx[1:] != seq_idx[:-1], (1, 0))
     else:
-        starts = position_ids == 0
+        starts = (position_ids == 0) & F.pad(position_ids[:-1] != 0, (1, 0))
     return starts.index_fill(0, torch.zeros(1, dtype=torch.long, device=starts.device), True)
+
+
+def packed_position_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """cu_seqlens (S + 1,) of a packed (1, T) batch -> position ids (1, T) restarting at 0 in each sequence."""
+    tokens = torch.arange(T, device=cu_seqlens.device)
+    sequence = torch.bucketize(tokens, cu_seqlens[1:].long(), right=True)  # (T,)
+    return (tokens - cu_seqlens.long()[sequence])[None]
 
 
 def sequence_mask(cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
@@ -275,7 +285,7 @@ def cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, num_sequences:
     num_sequences: S read on the host (eager, no further sync), or None when traced."""
     if cu_seq_lens_q is not None:
         return cu_seq_lens_q.flatten().to(torch.int32)
-    starts = sequence_starts(position_ids.flatten(), seq_idx.flatten() if seq_idx is not None else None)  # (nnz,)
+    starts = sequence_starts(*(t.flatten() if t is not None else None for t in (position_ids, seq_idx)))  # (nnz,)
     if num_sequences is None:
         boundaries = torch.ops.bert_impl.nonzero(starts)  # (S,)
     else:

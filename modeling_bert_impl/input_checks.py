@@ -29,6 +29,7 @@ class BatchFacts(NamedTuple):
     a traced graph does not)."""
 
     packed: bool  # sequences concatenated in one row (DataCollatorWithFlattening)
+    padded: bool | None  # the attention mask has padding (None: traced with a mask, the host cannot say)
     unpaddable: bool  # padded or packed, so the unpadded encoder has work to skip
     nnz: int | None  # real tokens
     max_seqlen: int | None  # the longest sequence
@@ -58,9 +59,9 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
         packed = marked or (
             B == 1 and attention_mask is None and position_ids is not None and not torch.compiler.is_exporting()
         )
-        padded = attention_mask is not None and not packed
-        unpaddable = (packed or padded) and not torch.compiler.is_exporting()
-        return B, T, BatchFacts(packed, unpaddable, None, None, None)
+        padded = None if attention_mask is not None and not packed else False
+        unpaddable = (packed or padded is None) and not torch.compiler.is_exporting()
+        return B, T, BatchFacts(packed, padded, unpaddable, None, None, None)
 
     # Eager: the batch's own statistics in the same read.
     facts = []
@@ -94,7 +95,8 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
         if packed:
             max_seqlen = packed_max
     # A batch of padding only runs padded: nothing to unpad.
-    return B, T, BatchFacts(packed, (packed or nnz < B * T) and nnz > 0, nnz, max_seqlen, num_sequences)
+    padded = nnz < B * T
+    return B, T, BatchFacts(packed, padded, (packed or padded) and nnz > 0, nnz, max_seqlen, num_sequences)
 
 
 def _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,

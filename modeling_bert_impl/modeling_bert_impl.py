@@ -1,13 +1,14 @@
-"""BERT (Devlin et al., 2019) written from scratch as a transformers model.
+"""BERT (Devlin et al., 2019) written from scratch as a transformers model, with stock BERT's module tree and names.
 
-Shapes: B batch, T tokens, H hidden, N heads, D head dim (H = N * D), V vocabulary, nnz the real tokens of a batch
-without its padding, S the sequences of such a batch (B for a padded batch, more for a packed one), P the rows the
-unpadded encoder runs on (nnz, or a few more in the CPU's bucketed layout).
+Shapes: B batch, T tokens, H hidden, N heads, D head dim (H = N * D), V vocabulary, S the sequences of a batch (B for a
+padded batch, more for a packed one), P the rows the padding-free encoder runs on (the real tokens, or a few more in
+the CPU's bucketed layout: bert_padding.py).
 
-The encoder runs padded or unpadded. Padded: (B, T, H) with an additive attention mask, through transformers'
-attention functions (`eager`, `sdpa`, ...). Unpadded: (P, H), every dense layer on (nearly) real tokens only,
-attention per sequence. The model unpads once per forward when the batch has padding or is packed, and re-pads its
-outputs once at the end; how (layouts, varlen kernels) is bert_padding.py's business.
+Padding-free by default: where a batch has padding (or is packed), the model unpads the embeddings once, runs every
+layer on the (P, H) rows of real tokens, attention per sequence, and re-pads the outputs once at the end. So what a
+layer's hooks see is stock's (B, T, H) wherever the batch has no padding (one sentence, a dense batch), and the (P, H)
+rows on a padded or packed batch; `config.unpad_inputs=False` gives stock's (B, T, H) there too. The embeddings
+always return stock's (B, T, H).
 """
 
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
+from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
     and_masks,
@@ -28,6 +29,7 @@ from transformers.masking_utils import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
+    BaseModelOutput,
     BaseModelOutputWithPooling,
     MaskedLMOutput,
     MultipleChoiceModelOutput,
@@ -39,49 +41,71 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 
-from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers
+from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, packed_position_ids
 from .configuration_bert_impl import BertImplConfig
 from .input_checks import IGNORE_INDEX, check_inputs, class_label_checks, position_label_checks
-from . import fused_layers
-from .fused_layers import fused_encoder, fused_weights
-from .packed_linear import linear, unobserved
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Checkpoints: one declarative map from stock BERT keys (transformers' BertModel / BertForX) to ours. transformers
-# applies it when loading (renamings in order, then the QKV fusion; our own names pass through untouched), so stock
-# folders load into our classes; `save_stock_pretrained` applies it in reverse to write stock folders.
+# Checkpoints: the parameter names are stock BERT's, so stock folders load as they are. Folders saved before bert-impl
+# took them (`bert.layers.N.attn.qkv`, `ffn.up`, `mlm_head`, ...) load through this one map of their names to stock's.
 # ---------------------------------------------------------------------------------------------------------------------
-STOCK_TO_OURS = [
-    ("embeddings.LayerNorm", "embeddings.norm"),
-    ("encoder.layer.", "layers."),
-    ("attention.output.dense", "attn.out"),
-    ("attention.output.LayerNorm", "attn_norm"),
-    ("intermediate.dense", "ffn.up"),
-    ("output.dense", "ffn.down"),  # after attention.output.dense has been renamed
-    ("output.LayerNorm", "ffn_norm"),
-    ("cls.predictions.transform.dense", "mlm_head.dense"),
-    ("cls.predictions.transform.LayerNorm", "mlm_head.norm"),
-    ("cls.predictions.decoder", "mlm_head.decoder"),
-    ("cls.predictions.bias", "mlm_head.decoder.bias"),  # the stock MLM bias is tied to its decoder's bias
-    ("cls.seq_relationship", "nsp_head"),
+OLD_TO_STOCK = [
+    (r"embeddings\.norm\.", "embeddings.LayerNorm."),
+    (r"^bert\.layers\.", "bert.encoder.layer."),
+    (r"^layers\.", "encoder.layer."),
+    (r"\.attn\.out\.", ".attention.output.dense."),
+    (r"\.attn_norm\.", ".attention.output.LayerNorm."),
+    (r"\.ffn\.up\.", ".intermediate.dense."),
+    (r"\.ffn\.down\.", ".output.dense."),
+    (r"\.ffn_norm\.", ".output.LayerNorm."),
+    (r"^mlm_head\.dense\.", "cls.predictions.transform.dense."),
+    (r"^mlm_head\.norm\.", "cls.predictions.transform.LayerNorm."),
+    (r"^mlm_head\.decoder\.bias", "cls.predictions.bias"),  # stock ties the decoder's bias to this one
+    (r"^mlm_head\.decoder\.", "cls.predictions.decoder."),
+    (r"^nsp_head\.", "cls.seq_relationship."),
 ]
-STOCK_QKV = ["attention.self.query", "attention.self.key", "attention.self.value"]
 
 
-def checkpoint_conversion() -> list:
-    """The transforms transformers applies to a checkpoint's keys when loading (and reversed, when saving)."""
-    renamings = [WeightRenaming(source, target) for source, target in STOCK_TO_OURS]
-    return renamings + [WeightConverter(STOCK_QKV, "attn.qkv", operations=[Concatenate(dim=0)])]
+def old_names_conversion() -> list:
+    """What transformers applies to the keys of a folder with the old names when loading it (stock keys and ours pass
+    through untouched): the renamings, then the fused QKV projection cut into query, key and value."""
+    renamings = [WeightRenaming(source, target) for source, target in OLD_TO_STOCK]
+    qkv = WeightConverter(r"attn\.qkv\.", [r"attention.self.query.", r"attention.self.key.", r"attention.self.value."],
+                          operations=[Chunk(dim=0)])
+    return renamings + [qkv]
 
 
-register_checkpoint_conversion_mapping("bert_impl", checkpoint_conversion(), overwrite=True)
+register_checkpoint_conversion_mapping("bert_impl", old_names_conversion(), overwrite=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Attention
+# Embeddings and attention
 # ---------------------------------------------------------------------------------------------------------------------
+class BertImplEmbeddings(nn.Module):
+    """word + segment + learned position embeddings, LayerNorm, dropout: (B, T) ids -> (B, T, H)."""
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+        x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
+        T = x.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(T, device=x.device)[None]  # (1, T)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(T, dtype=torch.long, device=x.device)[None]  # (1, T)
+        x = x + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
+        return self.dropout(self.LayerNorm(x))
+
+
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """The reference: softmax(q k^T * scaling + mask) v. q, k, v: (B, N, T, D); mask additive (B, 1, T|1, T).
     Returns (B, T, N, D) and the attention weights (B, N, T, T)."""
@@ -93,120 +117,194 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-class BertImplAttention(nn.Module):
-    """Multi-head self-attention with one fused QKV projection."""
+class BertImplSelfAttention(nn.Module):
+    """Multi-head self-attention: (B, T, H) through transformers' attention functions, or the (P, H) rows of a
+    padding-free `layout`, each token attending to its own sequence. Returns the output and the attention weights
+    (eager attention only; else None)."""
 
     is_causal = False  # read by transformers' attention functions
 
-    def __init__(self, config: BertImplConfig, layer_idx: int):
+    def __init__(self, config: BertImplConfig, layer_idx: int | None = None):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.scaling = self.head_dim**-0.5
-        self.dropout = config.attention_probs_dropout_prob
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.out = nn.Linear(config.hidden_size, config.hidden_size)
+        self.num_attention_heads = config.num_attention_heads
+        self.attention_head_size = config.hidden_size // config.num_attention_heads
+        self.all_head_size = config.hidden_size
+        self.scaling = self.attention_head_size**-0.5
+        self.query = nn.Linear(config.hidden_size, self.all_head_size)
+        self.key = nn.Linear(config.hidden_size, self.all_head_size)
+        self.value = nn.Linear(config.hidden_size, self.all_head_size)
+        self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
-    def forward(self, x, attention_mask=None, varlen: UnpaddedLayout | None = None, output_attentions: bool = False):
-        dropout = self.dropout if self.training else 0.0
-        if varlen is not None:  # x: (P, H), the rows of an unpadded layout (bert_padding.py)
-            q, k, v = linear(self.qkv, x).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(1)  # each (P, N, D)
-            y, weights = varlen.attend(q, k, v, self.scaling, dropout), None  # (P, N, D)
-        else:  # x: (B, T, H)
-            qkv = linear(self.qkv, x).unflatten(-1, (3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, N, T, D)
-            # Attention maps exist only on the eager path; asking for them selects it for this call.
-            implementation = "eager" if output_attentions else self.config._attn_implementation
-            attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-            y, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=dropout)  # (B, T, N, D)
-        return linear(self.out, y.flatten(-2)), weights  # (..., H)
+    def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None,
+                output_attentions: bool = False, **kwargs):
+        shape = (*hidden_states.shape[:-1], self.num_attention_heads, self.attention_head_size)  # (..., N, D)
+        q, k, v = (proj(hidden_states).view(shape) for proj in (self.query, self.key, self.value))
+        dropout = self.dropout.p if self.training else 0.0
+        if layout is not None:  # (P, N, D) each
+            return layout.attend(q, k, v, self.scaling, dropout).flatten(-2), None  # (P, H)
+        # Attention maps exist only on the eager path; asking for them selects it for this call.
+        implementation = "eager" if output_attentions else self.config._attn_implementation
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        y, weights = attend(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
+                            scaling=self.scaling, dropout=dropout)  # (B, T, N, D)
+        return y.reshape(hidden_states.shape).contiguous(), weights  # (B, T, H)
 
 
-class BertImplFeedForward(nn.Module):
+class BertImplSelfOutput(nn.Module):
+    """LayerNorm(x + dropout(dense(attention output)))."""
+
     def __init__(self, config: BertImplConfig):
         super().__init__()
-        self.up = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = ACT2FN[config.hidden_act]
-        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, x):  # linear(): in CPU inference through oneDNN, the GELU fused into `up` (packed_linear.py)
-        return linear(self.down, linear(self.up, x, self.act))
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
+
+
+class BertImplAttention(nn.Module):
+    def __init__(self, config: BertImplConfig, layer_idx: int | None = None):
+        super().__init__()
+        self.self = BertImplSelfAttention(config, layer_idx)
+        self.output = BertImplSelfOutput(config)
+
+    def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None, **kwargs):
+        attention_output, weights = self.self(hidden_states, attention_mask=attention_mask, layout=layout, **kwargs)
+        return self.output(attention_output, hidden_states), weights
+
+
+class BertImplIntermediate(nn.Module):
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.intermediate_act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states):
+        return self.intermediate_act_fn(self.dense(hidden_states))
+
+
+class BertImplOutput(BertImplSelfOutput):
+    """LayerNorm(x + dropout(dense(intermediate))): the feed-forward's second product back to H."""
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__(config)
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
 
 
 class BertImplLayer(GradientCheckpointingLayer):
-    """Post-LN Transformer layer: x = LN(x + attn(x)); x = LN(x + ffn(x)). Any leading shape: (B, T, H) or (P, H)."""
+    """Post-LN Transformer layer: attention, then the feed-forward, each with its residual and LayerNorm. (B, T, H) or
+    the (P, H) rows of a padding-free `layout` -> the same shape."""
 
-    def __init__(self, config: BertImplConfig, layer_idx: int):
+    def __init__(self, config: BertImplConfig, layer_idx: int | None = None):
         super().__init__()
-        self.attn = BertImplAttention(config, layer_idx)
-        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.ffn = BertImplFeedForward(config)
-        self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.attention = BertImplAttention(config, layer_idx)
+        self.intermediate = BertImplIntermediate(config)
+        self.output = BertImplOutput(config)
 
-    def forward(self, x, attention_mask=None, varlen: UnpaddedLayout | None = None, output_attentions: bool = False):
-        a, weights = self.attn(x, attention_mask, varlen, output_attentions)
-        x = self.attn_norm(x + self.dropout(a))
-        x = self.ffn_norm(x + self.dropout(self.ffn(x)))
-        return x, weights
-
-    def fused_linears(self) -> tuple | None:
-        """(qkv, out, up, down) where `fused_layer` computes what calling this layer does (fused_layers.py): eval mode,
-        and its modules ours and unobserved (no hooks, no patched forward), the linear layers aside (`linear()` calls
-        those when they are observed or replaced: PEFT, int8); else None."""
-        modules = self._modules  # read directly: this runs on every CPU inference call
-        attn, ffn = modules["attn"], modules["ffn"]
-        parts = (self, attn, ffn, modules["attn_norm"], modules["ffn_norm"], modules["dropout"])
-        if tuple(map(type, parts)) != FUSABLE_PARTS or any(m.training or not unobserved(m) for m in parts):
-            return None
-        return attn.qkv, attn.out, ffn.up, ffn.down
+    def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None, **kwargs):
+        attention_output, _ = self.attention(hidden_states, attention_mask, layout=layout, **kwargs)
+        return self.output(self.intermediate(attention_output), attention_output)
 
 
-FUSABLE_PARTS = (BertImplLayer, BertImplAttention, BertImplFeedForward, nn.LayerNorm, nn.LayerNorm, nn.Dropout)
-
-
-class BertImplEmbeddings(nn.Module):
-    """word + segment + learned position embeddings, LayerNorm, dropout. Any leading shape: (B, T) or (nnz,)."""
+class BertImplEncoder(nn.Module):
+    """The layers in turn. hidden_states (B, T, H); with a padding-free `layout` they run on its (P, H) rows, unpadded
+    here once and re-padded once at the end. Every hidden state returned is (B, T, H) with zeros at padding."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.config = config
+        self.layer = nn.ModuleList(BertImplLayer(config, i) for i in range(config.num_hidden_layers))
+        self.gradient_checkpointing = False
 
-    def forward(self, input_ids, token_type_ids, position_ids, inputs_embeds=None):
-        x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # (..., H)
-        x = x + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
-        return self.dropout(self.norm(x))
+    def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None,
+                padding: torch.Tensor | None = None, output_hidden_states: bool = False, **kwargs) -> BaseModelOutput:
+        """padding: (B, T, 1) bool, True at the padding positions of the padded path's stream, or None. No real token
+        reads a padding position, so zeroing them changes nothing else; where every layer's hidden states are
+        returned, that is done in the stream itself, so that they are the tensors the next layer reads (retain_grad on
+        them works)."""
+        x = hidden_states if layout is None else layout.unpad(hidden_states)  # (B, T, H) or (P, H)
+        all_hidden = []
+        for layer in self.layer:
+            if output_hidden_states:
+                x = zero_padding(x, padding)
+                all_hidden.append(x if layout is None else layout.repad(x))
+            x = layer(x, attention_mask, layout=layout, **kwargs)
+        x = zero_padding(x, padding)
+        last = x if layout is None else layout.repad(x)  # (B, T, H)
+        return BaseModelOutput(last_hidden_state=last,
+                               hidden_states=(*all_hidden, last) if output_hidden_states else None)
+
+
+def zero_padding(x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    """x with zeros where `padding` (broadcastable bool) is True; x itself without one."""
+    return x if padding is None else x.masked_fill(padding, 0)
 
 
 class BertImplPooler(nn.Module):
-    """tanh(W h_[CLS] + b)."""
+    """tanh(W h + b) of the first position of each row it is given: (B, T, H) -> (B, H)."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
 
-    def forward(self, cls_hidden):  # (S, H) -> (S, H)
-        return torch.tanh(self.dense(cls_hidden))
+    def forward(self, hidden_states):
+        return self.activation(self.dense(hidden_states[:, 0]))
 
 
-class BertImplMLMHead(nn.Module):
-    """dense, GELU, LayerNorm, then the decoder to the vocabulary (its weight tied to the word embeddings)."""
-
+class BertImplPredictionHeadTransform(nn.Module):
     def __init__(self, config: BertImplConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = ACT2FN[config.hidden_act]
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.transform_act_fn = ACT2FN[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden_states):
+        return self.LayerNorm(self.transform_act_fn(self.dense(hidden_states)))
+
+
+class BertImplLMPredictionHead(nn.Module):
+    """transform, then the decoder to the vocabulary: its weight tied to the word embeddings, its bias to `bias`."""
+
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.transform = BertImplPredictionHeadTransform(config)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
-    def forward(self, x):  # (..., H) -> (..., V)
-        return self.decoder(self.norm(self.act(self.dense(x))))
+    def forward(self, hidden_states):  # (..., H) -> (..., V)
+        return self.decoder(self.transform(hidden_states))
+
+
+class BertImplOnlyMLMHead(nn.Module):
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.predictions = BertImplLMPredictionHead(config)
+
+    def forward(self, sequence_output):
+        return self.predictions(sequence_output)
+
+
+class BertImplOnlyNSPHead(nn.Module):
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, pooled_output):
+        return self.seq_relationship(pooled_output)
+
+
+class BertImplPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertImplConfig):
+        super().__init__()
+        self.predictions = BertImplLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, sequence_output, pooled_output):
+        return self.predictions(sequence_output), self.seq_relationship(pooled_output)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -281,6 +379,30 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
 # ---------------------------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------------------------
+STOCK_ONLY_CONFIG_FIELDS = ("auto_map", "unpad_inputs", "sparse_prediction")  # ours: a stock config has none of them
+
+
+def write_stock_config(folder: str, architecture: str) -> None:
+    """Rewrite `folder`/config.json as plain transformers writes it for its class `architecture` (e.g. "BertModel"):
+    model_type "bert", no fields of ours, no `auto_map`."""
+    import json
+    import os
+
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    for key in STOCK_ONLY_CONFIG_FIELDS:
+        config.pop(key, None)
+    config.update(model_type="bert", architectures=[architecture])
+    with open(path, "w") as f:
+        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def stock_name(model_class: type) -> str:
+    """Our class -> transformers' class of the same head: BertImplForMaskedLM -> BertForMaskedLM."""
+    return model_class.__name__.replace("BertImpl", "Bert", 1).replace("OnBertConfig", "")
+
+
 class BertImplPreTrainedModel(PreTrainedModel):
     config_class = BertImplConfig
     config: BertImplConfig
@@ -288,22 +410,26 @@ class BertImplPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     # The padded path's attention goes through transformers' attention functions with a mask made by its mask
-    # interface for each (see BertImplModel._padded_attention_mask).
+    # interface for each (see BertImplModel._padded_attention_mask); the padding-free path through bert_padding.py.
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_flash_attn = True
     _supports_attention_backend = True
-    # Hidden states and attentions are collected by hand, not by transformers' output capture (`_can_record_outputs`):
-    # it records what each layer returns, which on the unpadded path is (P, H) rows of the CPU's bucketed or the
-    # exact layout, not (B, T, H); BertImplModel.forward re-pads each one.
+    # Attention maps are recorded as stock BERT records them (they exist on the padded eager path only); hidden states
+    # are collected by the encoder, which re-pads the padding-free path's (P, H) rows into (B, T, H).
+    _can_record_outputs = {"attentions": BertImplSelfAttention}
     _no_split_modules = ["BertImplEmbeddings", "BertImplLayer"]
     # Losses are means over the batch; Trainer scales them for gradient accumulation itself.
     accepts_loss_kwargs = False
-    # Older stock checkpoints carry the position-id buffer and a duplicate of the MLM bias.
-    _keys_to_ignore_on_load_unexpected = [r"embeddings\.position_ids", r"cls\.predictions\.decoder\.bias"]
+    # Older stock checkpoints carry the position-id buffer.
+    _keys_to_ignore_on_load_unexpected = [r"embeddings\.position_ids"]
 
-    # Weights are initialised by PreTrainedModel._init_weights: Linear and Embedding ~ N(0, initializer_range), biases
-    # and the padding embedding zero, LayerNorm to identity.
+    def _init_weights(self, module):
+        """PreTrainedModel's (Linear and Embedding ~ N(0, initializer_range), biases and the padding embedding zero,
+        LayerNorm to identity), and the MLM head's own bias zero."""
+        super()._init_weights(module)
+        if isinstance(module, BertImplLMPredictionHead):
+            nn.init.zeros_(module.bias)
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs):
@@ -323,23 +449,22 @@ class BertImplPreTrainedModel(PreTrainedModel):
                     ) from error
             raise
 
-    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+    def save_pretrained(self, save_directory, *args, **kwargs):
         """As transformers' save_pretrained, with `auto_map` naming every head, so that the saved folder (which
-        carries the code files) loads through any Auto class with `trust_remote_code=True`.
-
-        Weights are written under this model's own parameter names: Trainer's `--resume_from_checkpoint` and
-        `load_best_model_at_end` load a checkpoint's state dict as it is, and must find our names in it. (Loading
-        accepts both our names and stock ones; `save_stock_pretrained` writes the stock ones.)"""
+        carries the code files) loads through any Auto class with `trust_remote_code=True`. The weights' names are
+        stock BERT's: stock `BertForX.from_pretrained` loads every one of them."""
         module = type(self).__module__.rsplit(".", 1)[-1]
         auto_map = {auto: f"{module}.{cls.__name__}" for auto, cls in AUTO_CLASSES.items()}
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
-        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+        # Our names, not those of the folder it was loaded from (transformers would undo an old folder's renaming).
+        kwargs.setdefault("save_original_format", False)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         """push_to_hub's upload step (also `save_pretrained(push_to_hub=True)`'s): where bert-impl is installed, the
         README.md transformers has just written is replaced by our model card, unless it is one of ours already."""
-        try:  # model_card.py is not a code file of saved folders: without the package, transformers' card stays
-            from modeling_bert_impl.model_card import replace_generic_card
+        try:  # the model card is not a code file of saved folders: without the package, transformers' card stays
+            from modeling_bert_impl.integrations.model_card import replace_generic_card
         except ImportError:
             pass
         else:
@@ -347,47 +472,19 @@ class BertImplPreTrainedModel(PreTrainedModel):
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
     def save_stock_pretrained(self, save_directory: str, **kwargs) -> None:
-        """Write a folder that plain transformers loads as its own `BertModel` / `BertForX` (model_type "bert").
-
-        The weights are written under stock key names (`checkpoint_conversion()` reversed), and the config with the
-        stock model_type and architecture, no `auto_map`, no fields of ours; no code files."""
-        import json
+        """Write a folder that plain transformers loads as its own `BertModel` / `BertForX` (model_type "bert"): the
+        same weights (their names are stock's already), a stock config, no code files."""
         import os
 
-        # transformers reverses the conversions that loaded this model (`_weight_conversions`, none when it was loaded
-        # from a folder of ours, already in our names); our parameters always take the whole map back to stock names.
-        loaded_with = self.__dict__.get("_weight_conversions")
-        self._weight_conversions = checkpoint_conversion()
-        try:
-            self.save_pretrained(save_directory, save_original_format=True, **kwargs)
-        finally:
-            if loaded_with is None:
-                del self._weight_conversions
-            else:
-                self._weight_conversions = loaded_with
+        PreTrainedModel.save_pretrained(self, save_directory, save_original_format=False, **kwargs)
         for name in os.listdir(save_directory):
             if name.endswith(".py"):
                 os.remove(os.path.join(save_directory, name))
-        path = os.path.join(save_directory, "config.json")
-        with open(path) as f:
-            config = json.load(f)
-        for key in ("auto_map", "unpad_inputs", "sparse_prediction"):
-            config.pop(key, None)
-        config.update(model_type="bert", architectures=[type(self).__name__.replace("BertImpl", "Bert", 1)])
-        with open(path, "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        write_stock_config(str(save_directory), stock_name(type(self)))
 
 
-def identity(h: torch.Tensor) -> torch.Tensor:
-    return h
-
-
-def zero_padding(attention_mask: torch.Tensor | None):
-    """(B, T, H) -> (B, T, H) with zeros where attention_mask (B, T) is 0; the identity without a mask."""
-    if attention_mask is None:
-        return identity
-    padding = (attention_mask == 0).unsqueeze(-1)  # (B, T, 1)
-    return lambda h: h.masked_fill(padding, 0)
+def config_default(value, default):
+    return default if value is None else value
 
 
 class BertImplModel(BertImplPreTrainedModel):
@@ -396,9 +493,8 @@ class BertImplModel(BertImplPreTrainedModel):
     def __init__(self, config: BertImplConfig, add_pooling_layer: bool = True):
         super().__init__(config)
         self.embeddings = BertImplEmbeddings(config)
-        self.layers = nn.ModuleList(BertImplLayer(config, i) for i in range(config.num_hidden_layers))
+        self.encoder = BertImplEncoder(config)
         self.pooler = BertImplPooler(config) if add_pooling_layer else None
-        self.compiled_encoder = None  # this model compiled ahead of time: compile_for_inference (compiled_encoder.py)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -407,6 +503,7 @@ class BertImplModel(BertImplPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embeddings.word_embeddings = value
 
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -416,133 +513,86 @@ class BertImplModel(BertImplPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         cu_seq_lens_q: torch.Tensor | None = None,
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
         seq_idx: torch.Tensor | None = None,
         label_checks: list | None = None,
-    ) -> BaseModelOutputWithPooling | tuple:
+        **kwargs,
+    ) -> BaseModelOutputWithPooling:
         r"""
         A padded batch (`input_ids` (B, T) with `attention_mask`), or a packed one as transformers'
-        `DataCollatorWithFlattening` makes it: B = 1, sequences concatenated, marked by `position_ids` restarting at 0,
-        by `cu_seq_lens_q`/`max_length_q` (`cu_seq_lens_k`/`max_length_k` must then be equal), or by `seq_idx`.
-        Tokens never attend across sequences.
+        `DataCollatorWithFlattening` makes it: B = 1, sequences concatenated, marked by `position_ids` restarting at 0
+        (a run of zeros is one sequence: a packed BERT sequence has at least two tokens), by
+        `cu_seq_lens_q`/`max_length_q` (`cu_seq_lens_k`/`max_length_k` must then be equal), or by `seq_idx`. Tokens
+        never attend across sequences, and positions restart at 0 in each sequence whatever marks them.
 
-        With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states (the last one
-        and, with `output_hidden_states`, every layer's) are zero at padding positions, on every path (unpadded,
-        padded, compiled, exported): transformers' BERT computes values there that no real token depends on. A row
-        of padding only pools a zero vector; attention maps at padding queries are those of a zero hidden state.
+        With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states (the last one and,
+        with `output_hidden_states`, every layer's) are zero at padding positions on every path: transformers' BERT
+        computes values there that no real token depends on. A row of padding only pools a zero vector.
         `attention_mask` holds 0 (padding) and 1 (token), as bool, integers or floats; other values are refused.
         `label_checks`: a head's checks of its labels (input_checks.py), read with the encoder's own in one transfer.
-
-        Under `torch.compile` the unpadded path runs too (its host-side steps as custom ops, bert_padding.py); under
-        `torch.export` the graph is the padded path, and only `cu_seq_lens_q` / `seq_idx` mark a packed batch.
         """
-        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        if (self.compiled_encoder is not None and inputs_embeds is None and not output_attentions
-                and not output_hidden_states and cu_seq_lens_q is None and seq_idx is None and not label_checks):
-            # the compiled program where it can stand in (compiled_encoder.py); it checks the values itself
-            out = self.compiled_encoder(input_ids, attention_mask, token_type_ids, position_ids)
-            if out is not None:
-                return out if return_dict else out.to_tuple()
+        output_attentions = config_default(output_attentions, self.config.output_attentions)
+        output_hidden_states = config_default(output_hidden_states, self.config.output_hidden_states)
         B, T, batch = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                    cu_seq_lens_q, cu_seq_lens_k, seq_idx, label_checks or ())
-        device = input_ids.device if input_ids is not None else inputs_embeds.device
-        if token_type_ids is None:
-            token_type_ids = torch.zeros(B, T, dtype=torch.long, device=device)
-        if position_ids is None:
-            position_ids = torch.arange(T, device=device).expand(B, T)
-        position_ids = position_ids.expand(B, T)
+        packs = (cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, batch.num_sequences)
+                 if batch.packed else None)  # (S + 1,)
+        if packs is not None and position_ids is None:
+            position_ids = packed_position_ids(packs, T)  # (1, T)
 
-        packed_cu_seqlens = (
-            cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, batch.num_sequences) if batch.packed else None
-        )  # (S + 1,)
-        unpadded = (
-            batch.unpaddable
-            and self.config.unpad_inputs
-            and not output_attentions
-            and self.config._attn_implementation != "eager"
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
+        layout = self._unpadded_layout(x, attention_mask, packs, batch, max_length_q, output_attentions)
+        implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
+        mask = None if layout is not None else self._padded_attention_mask(
+            x, attention_mask, packs, implementation, batch.padded)
+        padded_stream = layout is None and attention_mask is not None and batch.padded is not False  # None: traced
+        padding = (attention_mask == 0).unsqueeze(-1) if padded_stream else None  # (B, T, 1)
+        encoded = self.encoder(x, mask, layout=layout, padding=padding, output_hidden_states=output_hidden_states,
+                               output_attentions=output_attentions)
+        last = encoded.last_hidden_state  # (B, T, H)
+        pooled = self.pooler(self._first_tokens(last, attention_mask, packs, batch)) if self.pooler else None
+        return BaseModelOutputWithPooling(last_hidden_state=last, pooler_output=pooled,
+                                          hidden_states=encoded.hidden_states)
+
+    def _unpadded_layout(self, x, attention_mask, packs, batch, max_length_q, output_attentions) -> UnpaddedLayout | None:
+        """The padding-free layout of the batch, or None where the padded path runs: no padding to skip, the `eager`
+        attention or attention maps asked for (maps exist on the padded path only), or `config.unpad_inputs=False`."""
+        if not (batch.unpaddable and self.config.unpad_inputs and not output_attentions
+                and self.config._attn_implementation != "eager"):
+            return None
+        return UnpaddedLayout.build(
+            attention_mask, packs, x.shape[:2], batch.nnz, batch.max_seqlen or max_length_q, x.dtype, x.device,
+            # CPU: the bucketed layout; when training under torch.compile, the exact one (the bucketed attention is
+            # then an opaque op without a backward)
+            bucketed=x.device.type == "cpu" and not (torch.compiler.is_compiling() and torch.is_grad_enabled()),
         )
 
-        if unpadded:
-            dtype = inputs_embeds.dtype if inputs_embeds is not None else self.embeddings.word_embeddings.weight.dtype
-            layout = UnpaddedLayout.build(
-                attention_mask, packed_cu_seqlens, (B, T), batch.nnz, batch.max_seqlen or max_length_q, dtype, device,
-                # CPU: the bucketed layout; when training under torch.compile, the exact one (the bucketed attention
-                # is then an opaque op without a backward)
-                bucketed=device.type == "cpu" and not (torch.compiler.is_compiling() and torch.is_grad_enabled()),
-            )
-            x = self.embeddings(*map(layout.unpad, (input_ids, token_type_ids, position_ids, inputs_embeds)))  # (P, H)
-            repad, clear = layout.repad, identity  # (P, H) rows: no padding to clear
-            mask = None
-        else:
-            layout = None
-            x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
-            implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
-            padding = None if batch.nnz is None else batch.nnz < B * T  # None: traced, the host cannot say
-            mask = self._padded_attention_mask(x, attention_mask, packed_cu_seqlens, implementation, padding)
-            # Zeros at padding, as the unpadded path re-pads. No real token reads a padding position, so they are
-            # cleared once at the end; where every layer's hidden states are returned, in the stream itself after each
-            # layer (they must be the tensors the next layer reads: retain_grad on them works).
-            repad, clear = identity, zero_padding(attention_mask if padding is not False and not batch.packed else None)
-        per_layer = clear if output_hidden_states else identity
-
-        x = per_layer(x)
-        all_hidden = [repad(x)] if output_hidden_states else None
-        all_attentions = [] if output_attentions else None
-        # CPU inference without padding to mask: each layer in one pass (fused_layers.py), the same arithmetic
-        fused = (fused_weights(x, self.layers, self.config._attn_implementation)
-                 if mask is None and not output_attentions else None)
-        if fused and not output_hidden_states:
-            x = fused_encoder(self.layers, x, fused, layout)
-        else:
-            for i, layer in enumerate(self.layers):
-                x, weights = ((fused_layers.fused_layer(layer, x, fused[i], layout), None) if fused
-                              else layer(x, mask, layout, output_attentions))
-                x = per_layer(x)
-                if output_hidden_states:
-                    all_hidden.append(repad(x))
-                if output_attentions:
-                    all_attentions.append(weights)
-
-        last = repad(x if output_hidden_states else clear(x))  # (B, T, H)
-        pooled = None
-        if self.pooler is not None:  # [CLS] is the first real token of each sequence (a row of padding only: zeros)
-            if batch.packed:
-                pooled = self.pooler(last[0, packed_cu_seqlens[:-1].long()])  # (S, H)
-            elif attention_mask is None or batch.nnz == B * T:  # no padding: the first token
-                pooled = self.pooler(last[:, 0])  # (B, H)
-            else:
-                first = (attention_mask != 0).int().argmax(-1)  # (B,)
-                pooled = self.pooler(last[torch.arange(B, device=device), first])  # (B, H)
-
-        out = BaseModelOutputWithPooling(
-            last_hidden_state=last,
-            pooler_output=pooled,
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            attentions=tuple(all_attentions) if output_attentions else None,
-        )
-        return out if return_dict else out.to_tuple()
+    @staticmethod
+    def _first_tokens(last, attention_mask, packs, batch):
+        """What the pooler reads: each sequence's first real token ([CLS]), (S, 1, H); a row of padding only gives its
+        first position (zeros). last: (B, T, H)."""
+        if packs is not None:
+            return last[0, packs[:-1].long()][:, None]  # (S, 1, H)
+        if attention_mask is None or batch.padded is False:  # padded None: traced, the mask decides
+            return last
+        first = (attention_mask != 0).int().argmax(-1)  # (B,)
+        return last[torch.arange(last.shape[0], device=last.device), first][:, None]  # (B, 1, H)
 
     def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str,
                                padding: bool | None = None):
-        """The padded path's mask for x (B, T, H), made by transformers' mask interface in the form `implementation`
-        takes: additive float (B, 1, T, T) for eager (masked scores at the dtype's minimum, so a row that is all
-        padding still gives finite, uniform attention), bool for sdpa, a BlockMask for flex attention, the (B, T) mask
-        for flash attention; None when nothing is masked. A packed batch (`packed_cu_seqlens`, no padding) attends
-        block-diagonally: each token to its own sequence only. `padding` is whether the batch has padding, as the
-        forward's one host read found (None when traced): knowing it, transformers need not look into the mask for
-        itself (`mask.all()`, a second host-device sync).
+        """The padded path's mask for x (B, T, H), made by transformers' mask interface in the form the attention
+        implementation takes: additive float (B, 1, T, T) for eager (masked scores at the dtype's minimum, so a row
+        that is all padding still gives finite, uniform attention), bool for sdpa, a BlockMask for flex attention, the
+        (B, T) mask for flash attention; None when nothing is masked. A packed batch (`packed_cu_seqlens`, no padding)
+        attends block-diagonally: each token to its own sequence only. `padding`: whether the batch has padding, as
+        the forward's one host read found (None when traced): knowing it, transformers need not look into the mask for
+        itself (a second host-device sync).
 
         sdpa without packing: the padding mask as it is, bool (B, 1, 1, T), the same for every query (SDPA broadcasts
-        it). transformers writes it out for each query, (B, 1, T, T): in a compiled program, 6 copies of it cost 0.9 ms
-        of a 26 ms call at 1 x 128 (benchmarks/RESULTS.md, "eleventh pass")."""
+        it), instead of transformers' copy of it for each query, (B, 1, T, T)."""
         B, T = x.shape[:2]
         if padding is False:
             attention_mask = None  # all ones: nothing to mask but, for a packed batch, the sequence boundaries
@@ -568,10 +618,6 @@ class BertImplModel(BertImplPreTrainedModel):
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Heads. Each returns a typed ModelOutput; with return_dict=False (or config.return_dict=False) transformers'
-# `can_return_tuple` turns it into a tuple, its fields in stock BERT's order and the Nones left out.
-# ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class BertImplForPreTrainingOutput(ModelOutput):
     """transformers' BertForPreTrainingOutput, then the two losses that make up `loss` = mlm_loss + nsp_loss (each a
@@ -590,35 +636,37 @@ class BertImplForPreTrainingOutput(ModelOutput):
 class BertImplForPreTraining(BertImplPreTrainedModel):
     """BERT's pre-training heads: masked LM (decoder tied to the word embeddings) + next sentence prediction."""
 
-    _tied_weights_keys = {"mlm_head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+    _tied_weights_keys = {
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
 
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
         self.bert = BertImplModel(config)
-        self.mlm_head = BertImplMLMHead(config)
-        self.nsp_head = nn.Linear(config.hidden_size, 2)
+        self.cls = BertImplPreTrainingHeads(config)
         self.post_init()
 
     def get_output_embeddings(self):
-        return self.mlm_head.decoder
+        return self.cls.predictions.decoder
 
     def set_output_embeddings(self, value):
-        self.mlm_head.decoder = value
+        self.cls.predictions.decoder = value
+        self.cls.predictions.bias = value.bias
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, next_sentence_label=None, output_attentions=None, output_hidden_states=None,
-                **packing):
+                labels=None, next_sentence_label=None, **kwargs):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. next_sentence_label: (B,) 0 = B follows A.
 
         `prediction_logits` is (B, T, V); with labels and `config.sparse_prediction` (off by default), the masked rows
         only: (M, V), M = (labels != -100).sum(), in row-major (B, T) order."""
         checks = mlm_label_checks(labels, self.config) + class_label_checks(
             "next_sentence_label", next_sentence_label, 2, "2", "class ids")
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
-        prediction_logits, mlm_loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
-        seq_relationship_logits = self.nsp_head(out.pooler_output)  # (B, 2)
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                        label_checks=checks, **kwargs)
+        prediction_logits, mlm_loss = masked_lm(self.cls.predictions, out.last_hidden_state, labels, self.config.sparse_prediction)
+        seq_relationship_logits = self.cls.seq_relationship(out.pooler_output)  # (B, 2)
         nsp_loss = cross_entropy(seq_relationship_logits, next_sentence_label) if next_sentence_label is not None else None
         losses = [l for l in (mlm_loss, nsp_loss) if l is not None]
         result = BertImplForPreTrainingOutput(
@@ -630,29 +678,33 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
 
 
 class BertImplForMaskedLM(BertImplPreTrainedModel):
-    _tied_weights_keys = {"mlm_head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+    _tied_weights_keys = {
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
 
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
         self.bert = BertImplModel(config, add_pooling_layer=False)
-        self.mlm_head = BertImplMLMHead(config)
+        self.cls = BertImplOnlyMLMHead(config)
         self.post_init()
 
     def get_output_embeddings(self):
-        return self.mlm_head.decoder
+        return self.cls.predictions.decoder
 
     def set_output_embeddings(self, value):
-        self.mlm_head.decoder = value
+        self.cls.predictions.decoder = value
+        self.cls.predictions.bias = value.bias
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, **packing):
+                labels=None, **kwargs):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. `logits` is (B, T, V); with labels and
         `config.sparse_prediction` (off by default), the masked rows only: (M, V) in row-major (B, T) order."""
         checks = mlm_label_checks(labels, self.config)
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
-        logits, loss = masked_lm(self.mlm_head, out.last_hidden_state, labels, self.config.sparse_prediction)
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                        label_checks=checks, **kwargs)
+        logits, loss = masked_lm(self.cls.predictions, out.last_hidden_state, labels, self.config.sparse_prediction)
         result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
         return result
 
@@ -661,16 +713,16 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
         self.bert = BertImplModel(config)
-        self.nsp_head = nn.Linear(config.hidden_size, 2)
+        self.cls = BertImplOnlyNSPHead(config)
         self.post_init()
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, **packing):
+                labels=None, **kwargs):
         checks = class_label_checks("labels", labels, 2, "2", "class ids")
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
-        logits = self.nsp_head(out.pooler_output)  # (B, 2)
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                        label_checks=checks, **kwargs)
+        logits = self.cls(out.pooler_output)  # (B, 2)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = NextSentencePredictorOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
@@ -693,11 +745,11 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, **packing):
+                labels=None, **kwargs):
         r"""labels: (B,) class ids, (B,) floats for regression (num_labels == 1), or (B, C) multi-hot floats."""
         checks = sequence_classification_label_checks(labels, self.config)
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                        label_checks=checks, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output))  # (B, C)
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         result = SequenceClassifierOutput(
@@ -717,11 +769,11 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None, **packing):
+                labels=None, **kwargs):
         r"""labels: (B, T) class ids, -100 where no label applies (padding, special tokens, later sub-words)."""
         checks = class_label_checks("labels", labels, self.num_labels, f"num_labels={self.num_labels}", "class ids")
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                        label_checks=checks, **kwargs)
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, T, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
@@ -742,16 +794,15 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                start_positions=None, end_positions=None, output_attentions=None, output_hidden_states=None,
-                **packing):
+                start_positions=None, end_positions=None, **kwargs):
         r"""start_positions, end_positions: (B,) token indices of the answer span; positions outside the sequence
         are clamped to T and ignored (as in transformers).
 
         A span never starts or ends on padding: start/end logits there are the dtype's minimum, in the outputs and in
         the loss. (transformers' BERT lets padding into the softmax, so with padding its loss differs from ours.)"""
         checks = position_label_checks(start_positions=start_positions, end_positions=end_positions)
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                        output_hidden_states, return_dict=True, label_checks=checks, **packing)
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                        label_checks=checks, **kwargs)
         logits = self.qa_outputs(out.last_hidden_state)  # (B, T, 2)
         if attention_mask is not None:
             logits = logits.masked_fill((attention_mask == 0).unsqueeze(-1), torch.finfo(logits.dtype).min)
@@ -778,17 +829,20 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, output_attentions=None, output_hidden_states=None):
+                labels=None, **kwargs):
         r"""Inputs are (B, C, T) for C choices; labels: (B,) the index of the right choice."""
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is None or reference.dim() < 3:
             raise ValueError("multiple choice inputs must be (batch, num_choices, seq_len)")
+        packing = sorted({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"} & set(kwargs))
+        if packing:
+            raise ValueError(f"multiple choice takes (batch, num_choices, seq_len) inputs, not a packed batch "
+                             f"({', '.join(packing)})")
         num_choices = reference.shape[1]
         flat = lambda t: t.flatten(0, 1) if t is not None else None  # (B, C, ...) -> (B * C, ...)
         checks = class_label_checks("labels", labels, num_choices, f"num_choices={num_choices}", "choice indices")
         out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                        flat(inputs_embeds), output_attentions, output_hidden_states, return_dict=True,
-                        label_checks=checks)
+                        flat(inputs_embeds), return_dict=True, label_checks=checks, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (B, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = MultipleChoiceModelOutput(

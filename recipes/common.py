@@ -713,7 +713,7 @@ def finish(trainer: Trainer, model_args: ModelArguments, metrics: dict, script: 
     if not trainer.is_world_process_zero():
         return
     try:
-        from modeling_bert_impl.model_card import write_model_card
+        from modeling_bert_impl.integrations.model_card import write_model_card
     except ImportError as error:
         logger.warning(f"no model card written: {error}")
         return

@@ -1,8 +1,9 @@
-"""avx2_gemm (modeling_bert_impl/avx2_gemm.py): the program's products and attention on an AVX2 CPU through our C++
-kernels, `bert_impl::sgemm` (float32), `bert_impl::qgemm` (int8) and `bert_impl::attention`. Their products are
+"""avx2_gemm (modeling_bert_impl/inference/avx2_gemm.py): the program's products and attention on an AVX2 CPU through
+our C++ kernels, `bert_impl::sgemm` (float32), `bert_impl::qgemm` (int8) and `bert_impl::attention`. Their products are
 float64's within float32's rounding on every shape the blocks and panels cut unevenly (qgemm's: the traced int8
 formulation's integers exactly), and the attention is float64's within 3 times the error of torch's own float32 SDPA;
-programs compiled with them run all the encoder's products and attention through them with the eager path's outputs;
+programs compiled with them run all the encoder's products (query, key and value as one) and attention through them
+with the eager path's outputs;
 the layers are put back after the trace; where the kernels cannot be built the program keeps oneDNN's products and
 SDPA, and a package that needs them says so when they cannot be loaded.
 
@@ -19,7 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import modeling_bert_impl as bi
-from modeling_bert_impl import avx2_gemm
+from modeling_bert_impl.inference import avx2_gemm, quantization
+from modeling_bert_impl.inference.packed_linear import PackedLinear, is_exact_gelu
+from modeling_bert_impl.inference.quantization import Int8Linear
+from modeling_bert_impl.inference.serving import encoder_linears
+from modeling_bert_impl.modeling_bert_impl import BertImplSelfAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_modeling import SMALL  # noqa: E402
@@ -148,18 +153,23 @@ def kernel_package(ops, tmp_path_factory):
 
 
 def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kernel_package):
-    """9 products (2 layers x qkv, out, up, down, and the pooler's) and 2 attentions a call, the GELU taken in the up
-    product's; the layers are nn.Linear, GELU and BertImplAttention again after the trace; the outputs are the eager
-    path's."""
+    """9 products (2 layers x query-key-value in one, attention output, up, down, and the pooler's) and 2 attentions a
+    call, the GELU taken in the up product's; the compiled model's layers are its own again after the trace; the
+    outputs are the eager path's."""
     model, _ = kernel_package
+    hidden = model.config.hidden_size
     with avx2_gemm.kernel_modules(model):
-        assert [(type(layer.ffn.up), layer.ffn.up.gelu, type(layer.ffn.act)) for layer in model.layers] == [
+        layers = model.encoder.layer
+        assert [(type(layer.intermediate.dense), layer.intermediate.dense.gelu,
+                 type(layer.intermediate.intermediate_act_fn)) for layer in layers] == [
             (avx2_gemm.KernelLinear, True, nn.Identity)] * 2
-        assert not model.layers[0].ffn.down.gelu
-    assert all(bi.packed_linear.is_exact_gelu(layer.ffn.act) for layer in model.layers)
-    assert [type(layer) for _, _, layer in bi.quantization.encoder_linears(model)] == [nn.Linear] * 8
-    assert [type(layer.attn) for layer in model.layers] == [bi.modeling_bert_impl.BertImplAttention] * 2
-    assert type(model.pooler.dense) is nn.Linear
+        assert not layers[0].output.dense.gelu and not layers[0].attention.output.dense.gelu
+        assert [(type(layer.attention.self), layer.attention.self.qkv.out_features) for layer in layers] == [
+            (avx2_gemm.KernelAttention, 3 * hidden)] * 2
+    assert all(is_exact_gelu(layer.intermediate.intermediate_act_fn) for layer in model.encoder.layer)
+    assert [type(layer) for _, _, layer in encoder_linears(model.encoder)] == [PackedLinear] * 12
+    assert [type(layer.attention.self) for layer in model.encoder.layer] == [BertImplSelfAttention] * 2
+    assert type(model.pooler.dense) is PackedLinear
     ids = torch.randint(1, SMALL["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(1))
     assert kernel_calls(model, input_ids=ids) == 9
     assert kernel_calls(model, avx2_gemm.ATTENTION_OP, input_ids=ids) == 2
@@ -244,14 +254,14 @@ def int8_model(model: bi.BertImplModel) -> bi.BertImplModel:
 
 
 def test_the_int8_program_runs_every_encoder_product_through_the_kernel(ops, monkeypatch, tmp_path):
-    """An int8 model with 7-bit weights: 8 qgemm calls a call, Int8Linear layers again after the trace, and the
+    """An int8 model with 7-bit weights: 8 qgemm calls a call (query, key and value in one product of their int8
+    weights concatenated), Int8Linear layers again after the trace, and the
     outputs of the traced formulation run eagerly (the same integers, summed in floats there)."""
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
-    monkeypatch.setattr(bi.quantization, "weight_levels", lambda: 63)  # as on a CPU without VNNI
+    monkeypatch.setattr(quantization, "weight_levels", lambda: 63)  # as on a CPU without VNNI
     monkeypatch.setattr(avx2_gemm, "weight_levels", lambda: 63)
     model = bi.compile_for_inference(int8_model(small_model()), tmp_path / "int8.pt2")
-    assert [type(layer) for _, _, layer in bi.quantization.encoder_linears(model, bi.quantization.Int8Linear)] == [
-        bi.quantization.Int8Linear] * 8
+    assert [type(layer) for _, _, layer in encoder_linears(model.encoder, Int8Linear)] == [Int8Linear] * 12
     ids = torch.randint(1, SMALL["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad(), torch.profiler.profile() as profile:
         got = model(input_ids=ids)

@@ -1,18 +1,21 @@
-"""compile_for_inference (modeling_bert_impl/compiled_encoder.py): the model's forward compiled ahead of time by
-AOTInductor. Every head gives the outputs of its eager path; the program runs where it may (batch 1, dense batches,
-an int8 model's padded batches by groups of similar length) and nowhere else (float32's padded batches, hidden states
-or attention maps asked for, autograd, training, hooks, replaced or changed modules and weights, packed batches, rows
-of padding only); packages are reused, never written over; bad ids are named as eagerly.
+"""compile_for_inference (modeling_bert_impl/inference/compiled_encoder.py): an inference model whose encoder runs as a
+program compiled ahead of time by AOTInductor. Every head gives the outputs of its eager path; the program runs where
+it may (batch 1, dense batches, an int8 model's padded batches by groups of similar length) and nowhere else (float32's
+padded batches, hidden states or attention maps asked for, inputs that need gradients, hooks, replaced modules,
+another dtype, packed batches, rows of padding only); the model given is left as it was, and changing it afterwards
+never changes the compiled model's answers; training or saving the compiled model is refused; packages are reused,
+never written over, and refused for other weights; bad ids are named as eagerly.
 
 Each compile takes 13-20 s on 2 cores: the module compiles two packages of a 2-layer model (with a pooler and without)
 that every other test loads, and one of all-MiniLM-L6-v2."""
 
 import copy
+import inspect
 import os
 import pickle
 import re
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import peft
@@ -23,9 +26,13 @@ import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import modeling_bert_impl as bi
+from modeling_bert_impl.inference import avx2_gemm, compiled_encoder, fused_layers
+from modeling_bert_impl.inference.compiled_encoder import CompiledBertImplModel
+from modeling_bert_impl.inference.serving import encoder_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_modeling import HEADS, LAYOUTS, SMALL, layout_inputs, output_tensors  # noqa: E402
+from test_serving import assert_same_state, model_state  # noqa: E402
 
 WITHOUT_POOLER = ("BertImplForMaskedLM", "BertImplForTokenClassification", "BertImplForQuestionAnswering")
 
@@ -44,8 +51,10 @@ def packages(tmp_path_factory, encoder_state):
     for pooler, path in paths.items():
         model = bi.BertImplModel(bi.BertImplConfig(**SMALL), add_pooling_layer=pooler)
         model.load_state_dict(encoder_state, strict=False)
-        bi.compile_for_inference(model, path)
-        assert os.path.exists(path)
+        state = model_state(model)
+        compiled = bi.compile_for_inference(model, path)
+        assert os.path.exists(path) and type(compiled) is CompiledBertImplModel
+        assert_same_state(model, state)  # the model given is not changed
     return paths
 
 
@@ -121,7 +130,7 @@ def test_every_head_runs_the_program_where_nothing_is_padded(packages, encoder_s
 def test_the_output_object_is_the_constructors(pooled):
     """The compiled path builds its BaseModelOutputWithPooling without the dataclass's bookkeeping: the same object."""
     hidden = torch.randn(2, 3, 4)
-    got, expected = bi.compiled_encoder.model_output(hidden, pooled), BaseModelOutputWithPooling(hidden, pooled)
+    got, expected = compiled_encoder.model_output(hidden, pooled), BaseModelOutputWithPooling(hidden, pooled)
     assert type(got) is type(expected)
     assert list(got.items()) == list(expected.items()) and vars(got) == vars(expected)
     assert got.to_tuple() == expected.to_tuple() and got[0] is hidden and got.pooler_output is pooled
@@ -189,88 +198,128 @@ def test_the_program_steps_aside(packages, encoder_state, case):
     assert_same_outputs(got, expected)
 
 
-def test_autograd_training_and_hooks_take_the_eager_path(packages, encoder_state):
+def test_gradients_modes_and_hooks_take_the_eager_path(packages, encoder_state):
+    """Inputs that need gradients (the gradients reach them), a module set to training mode, a hook on a module (it
+    runs), a patched forward (it runs), the model in float64: the eager path; the program again once nothing observes
+    the model. Training the compiled model is refused."""
     model = compiled("BertImplForSequenceClassification", packages, encoder_state)
     calls = program_calls(model)
     inputs = {"input_ids": random_ids(2, seed=4)}
-    model(**inputs).logits.sum().backward()  # autograd: gradients reach the weights
-    assert model.bert.layers[0].ffn.up.weight.grad is not None and calls == []
-    model.zero_grad()
-    with torch.no_grad():
+    embeds = model.bert.embeddings.word_embeddings(inputs["input_ids"]).requires_grad_()
+    model(inputs_embeds=embeds).logits.sum().backward()
+    assert embeds.grad is not None and calls == []
+    refused = "train(): this is an inference model made by compile_for_inference"
+    with pytest.raises(ValueError, match=re.escape(refused)):
         model.train()
+    with torch.no_grad():
+        dropout = model.bert.encoder.layer[1].output.dropout
+        nn_train = torch.nn.Module.train  # one module in training mode, set past the refusal
+        nn_train(dropout)
         model(**inputs)
-        model.eval()
-        model.bert.layers[1].dropout.train()  # one module in training mode
-        model(**inputs)
-        model.bert.layers[1].dropout.eval()
+        nn_train(dropout, False)
         assert calls == []
         expected = model(**inputs).logits
         assert len(calls) == 1
         seen = []
-        hook = model.bert.layers[1].attn_norm.register_forward_hook(lambda m, a, out: seen.append(out))
+        hook = model.bert.encoder.layer[1].attention.output.LayerNorm.register_forward_hook(
+            lambda m, a, out: seen.append(out))
         hooked = model(**inputs).logits
         hook.remove()
-        model.bert.embeddings.norm.forward = lambda x: torch.zeros_like(x)  # a patched forward
+        model.bert.embeddings.LayerNorm.forward = lambda x: torch.zeros_like(x)  # a patched forward
         patched = model(**inputs).logits
-        del model.bert.embeddings.norm.forward
+        del model.bert.embeddings.LayerNorm.forward
+        double = copy.deepcopy(model).double()
+        double_calls = program_calls(double)
+        got_double = double(**inputs).logits
         assert len(calls) == 1 and len(seen) == 1 and torch.allclose(hooked, expected, atol=1e-5)
         assert (patched - expected).abs().max() > 1e-3  # the patch ran
+        assert double_calls == [] and got_double.dtype == torch.float64
+        assert (got_double - expected).abs().max() < 1e-5
         model(**inputs)
     assert len(calls) == 2  # the program again once nothing observes the model
 
 
 UPDATES = {
-    "through the parameter": lambda model: model.base_model.layers[0].attn.qkv.weight.mul_(1.1),
-    "through .data": lambda model: model.base_model.layers[1].ffn.down.weight.data.mul_(1.5),
-    "a LayerNorm's bias": lambda model: model.base_model.layers[1].ffn_norm.bias.add_(0.1),
+    "through the parameter": lambda model: model.base_model.encoder.layer[0].attention.self.value.weight.mul_(1.1),
+    "through .data": lambda model: model.base_model.encoder.layer[1].output.dense.weight.data[3:5].mul_(1.5),
+    "a LayerNorm's bias": lambda model: model.base_model.encoder.layer[1].output.LayerNorm.bias.add_(0.1),
     "load_state_dict": lambda model: model.load_state_dict(
         {k: v + 0.01 for k, v in model.state_dict().items()}),
-    "a new parameter": lambda model: setattr(model.base_model.layers[0].ffn.up, "weight", torch.nn.Parameter(
-        model.base_model.layers[0].ffn.up.weight * 0.9)),
-    "a new module": lambda model: model.base_model.layers[0].attn.__setattr__("out", torch.nn.Linear(32, 32)),
+    "a new parameter": lambda model: setattr(model.base_model.encoder.layer[0].intermediate.dense, "weight",
+                                             torch.nn.Parameter(
+                                                 model.base_model.encoder.layer[0].intermediate.dense.weight * 0.9)),
+    "a new module": lambda model: model.base_model.encoder.layer[0].attention.output.__setattr__(
+        "dense", torch.nn.Linear(32, 32)),
     "the model in float64": lambda model: model.double(),
 }
 
 
 @pytest.mark.parametrize("update", UPDATES)
-def test_changed_weights_and_modules_take_the_eager_path(packages, encoder_state, update):
+def test_changing_the_model_never_changes_the_compiled_model(packages, encoder_state, update):
+    """After the compiled model answered, the model it was compiled from changes (an optimizer's update, an update
+    through `.data` of two rows, a norm's bias, load_state_dict, a new parameter or module, float64): the model
+    answers with the change, the compiled model runs its program with the answers it gave."""
+    torch.manual_seed(1)
+    model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+    model.load_state_dict(encoder_state)
+    compiled_model = bi.compile_for_inference(model, packages[True])
+    calls = program_calls(compiled_model)
+    inputs = {"input_ids": random_ids(1, seed=5)}
+    with torch.no_grad():
+        before = compiled_model(**inputs).last_hidden_state
+        UPDATES[update](model)
+        got, changed = compiled_model(**inputs).last_hidden_state, model(**inputs).last_hidden_state
+    assert len(calls) == 2
+    assert torch.equal(got, before)
+    if update == "the model in float64":
+        assert changed.dtype == torch.float64 and got.dtype == torch.float32
+    else:
+        assert (changed - before).abs().max() > 1e-4
+
+
+REPLACEMENTS = {  # changes made to the compiled model itself: the eager path, with them
+    "a new parameter": UPDATES["a new parameter"],
+    "a new module": UPDATES["a new module"],
+}
+
+
+@pytest.mark.parametrize("replacement", REPLACEMENTS)
+def test_replaced_modules_and_parameters_take_the_eager_path(packages, encoder_state, replacement):
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
     inputs = {"input_ids": random_ids(1, seed=5)}
     with torch.no_grad():
         before = model(**inputs).last_hidden_state
-        UPDATES[update](model)
-        replaced = update in ("a new parameter", "a new module")  # a module that is not the compiled one: no warning
-        with nullcontext() if replaced else pytest.warns(UserWarning, match="weights changed since it was compiled"):
-            got = model(**inputs).last_hidden_state
-        ran = len(calls)  # 2 where the program's own check of the weights found the change, else 1
-        again = model(**inputs).last_hidden_state
+        REPLACEMENTS[replacement](model)
+        got = model(**inputs).last_hidden_state
         expected = eager(model, **inputs).last_hidden_state
-    assert ran <= 2 and len(calls) == ran  # once found changed, the program no longer runs
-    assert torch.equal(got, expected) and torch.equal(again, expected)
-    if update == "the model in float64":
-        assert got.dtype == torch.float64
-    else:
-        assert (got - before).abs().max() > 1e-4
+    assert len(calls) == 1
+    assert torch.equal(got, expected) and (got - before).abs().max() > 1e-4
 
 
-def test_peft_adapters_take_the_eager_path_and_merged_weights_are_seen(packages, encoder_state):
-    model = compiled("BertImplModel", packages, encoder_state)
+def test_peft_adapters_take_the_eager_path_and_merged_models_compile(packages, encoder_state):
+    """Adapters put on the compiled model: the eager path, with them (as on the plain model). Merged into the model it
+    was compiled from and compiled again: the program, with the adapted outputs."""
+    torch.manual_seed(1)
+    plain = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+    plain.load_state_dict(encoder_state)
+    model = bi.compile_for_inference(plain, packages[True])
     calls = program_calls(model)
     inputs = {"input_ids": random_ids(2, seed=6)}
+    config = lambda: peft.LoraConfig(target_modules=["query", "value", "dense"], init_lora_weights=False)  # noqa: E731
     with torch.no_grad():
         before = model(**inputs).last_hidden_state
-        peft_model = peft.get_peft_model(model, peft.LoraConfig(target_modules=["qkv", "up"],
-                                                                init_lora_weights=False)).eval()
-        adapted = peft_model(**inputs).last_hidden_state
-        merged = peft_model.merge_and_unload()  # the base layers back, their weights changed through .data
-        with pytest.warns(UserWarning, match="weights changed"):
-            got = merged(**inputs).last_hidden_state
-        merged(**inputs)
-    # the first call, and the merged model's first: the program's own check of the weights finds them changed
-    assert len(calls) == 2
+        torch.manual_seed(2)
+        adapted = peft.get_peft_model(model, config())(**inputs).last_hidden_state
+        torch.manual_seed(2)
+        adapted_plain = peft.get_peft_model(plain, config())
+        expected = adapted_plain(**inputs).last_hidden_state
+        merged = bi.compile_for_inference(adapted_plain.merge_and_unload())
+        merged_calls = program_calls(merged)
+        got = merged(**inputs).last_hidden_state
+    assert len(calls) == 1 and len(merged_calls) == 1
     assert (adapted - before).abs().max() > 1e-3
-    assert (got - adapted).abs().max() < 1e-5
+    assert (adapted - expected).abs().max() < 1e-5 and (got - expected).abs().max() < 1e-5
 
 
 def test_bad_ids_are_named_and_the_program_still_serves(packages, encoder_state):
@@ -300,28 +349,50 @@ def test_packages_are_reused_and_never_written_over(packages, encoder_state, tmp
     other = bi.BertImplModel(bi.BertImplConfig(**SMALL))  # other weights
     with pytest.raises(ValueError, match=re.escape(f"package_path: {path} was compiled from another model or weights")):
         bi.compile_for_inference(other, path)
-    assert os.stat(path).st_mtime_ns == stat.st_mtime_ns and other.compiled_encoder is None
+    assert os.stat(path).st_mtime_ns == stat.st_mtime_ns and type(other) is bi.BertImplModel
     longer = bi.BertImplModel(bi.BertImplConfig(**{**SMALL, "max_position_embeddings": 128}))
     with pytest.raises(ValueError, match="another model or weights"):
         bi.compile_for_inference(longer, path)
-    # what a saved, copied or pickled model holds is the model's own: no program, the same outputs
-    model.save_pretrained(tmp_path / "saved")
-    reloaded = bi.BertImplModel.from_pretrained(tmp_path / "saved").eval()
+    # saving is refused (the model it was made from saves the same weights); a copy shares the program (both run it)
+    with pytest.raises(ValueError, match="save the model you passed to compile_for_inference"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
     ids = random_ids(1, seed=8)
+    duplicate = copy.deepcopy(model)
+    calls = program_calls(duplicate)
     with torch.no_grad():
-        assert reloaded.compiled_encoder is None
-        assert_same_outputs(reloaded(input_ids=ids), model(input_ids=ids))
-        for duplicate in copy.deepcopy(model), pickle.loads(pickle.dumps(model)):
-            assert duplicate.compiled_encoder is None
-            assert_same_outputs(duplicate(input_ids=ids), model(input_ids=ids))
+        assert_same_outputs(duplicate(input_ids=ids), model(input_ids=ids))
+    assert len(calls) == 2
+
+
+def test_loaded_compiled_and_called_under_inference_mode(packages, encoder_state):
+    """A serving function decorated with torch.inference_mode() that loads the model, compiles it (here: loads the
+    package) and calls it: the program runs, with the eager path's outputs."""
+    with torch.inference_mode():
+        torch.manual_seed(1)
+        model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+        model.load_state_dict(encoder_state)
+        compiled_model = bi.compile_for_inference(model, packages[True])
+        calls = program_calls(compiled_model)
+        ids = random_ids(2, seed=9)
+        got, expected = compiled_model(input_ids=ids), model(input_ids=ids)
+    assert len(calls) == 1
+    assert_same_outputs(got, expected)
+
+
+def test_a_package_of_another_format_is_refused(packages, encoder_state, monkeypatch):
+    monkeypatch.setattr(compiled_encoder, "FORMAT", "bert-impl compiled model 4")
+    with pytest.raises(ValueError, match=re.escape("compiled from another package format (format 'bert-impl compiled "
+                                                   "model 5', here 'bert-impl compiled model 4')")):
+        compiled("BertImplModel", packages, encoder_state)
 
 
 def test_a_package_for_other_cpu_instructions_is_refused(packages, encoder_state, monkeypatch):
     """The package's code uses the vector instructions of the CPU that compiled it (AVX-512 code stops an AVX2 CPU
     with an illegal instruction): elsewhere it is refused, by name."""
-    here = bi.compiled_encoder.cpu_instructions()
+    here = compiled_encoder.cpu_instructions()
     assert here.split()[0] == torch.backends.cpu.get_cpu_capability()
-    monkeypatch.setattr(bi.compiled_encoder, "cpu_instructions", lambda: "AVX512 VNNI" if here == "AVX2" else "AVX2")
+    monkeypatch.setattr(compiled_encoder, "cpu_instructions", lambda: "AVX512 VNNI" if here == "AVX2" else "AVX2")
     with pytest.raises(ValueError, match=re.escape(f"compiled from another CPU instruction set (cpu {here!r}, here")):
         compiled("BertImplModel", packages, encoder_state)
 
@@ -332,11 +403,11 @@ def test_calls_over_the_token_limit_take_the_eager_path(packages, encoder_state,
     oneDNN's (beyond them the eager path is as fast or faster there); int8 and AVX-512 have no limit. A call over the
     limit runs eagerly, with the same outputs."""
     float32 = bi.BertImplModel(bi.BertImplConfig(**SMALL))
-    monkeypatch.setattr(bi.avx2_gemm, "chosen", lambda base: kernel and bool(bi.quantization.encoder_linears(base)))
+    monkeypatch.setattr(avx2_gemm, "chosen", lambda base: kernel and bool(encoder_linears(base.encoder)))
     for capability, limit in (("AVX2", 512 if kernel else 64), ("AVX512", None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-        assert bi.compiled_encoder.token_limit(float32) == limit
-        assert bi.compiled_encoder.token_limit(int8_model(encoder_state, seed=10)) is None
+        assert compiled_encoder.token_limit(float32) == limit
+        assert compiled_encoder.token_limit(int8_model(encoder_state, seed=10)) is None
     monkeypatch.undo()
     model = compiled("BertImplModel", packages, encoder_state)
     model.base_model.compiled_encoder.max_tokens = 18
@@ -357,7 +428,7 @@ def test_dense_batches_run_the_program_in_groups(packages, encoder_state, monkey
     ids = random_ids(5, seed=30)  # (5, 9)
     with torch.no_grad():
         whole = model(input_ids=ids)
-        monkeypatch.setattr(bi.fused_layers, "CHUNK_TOKENS", 18)  # two sequences a group: 2 + 2 + 1
+        monkeypatch.setattr(fused_layers, "CHUNK_TOKENS", 18)  # two sequences a group: 2 + 2 + 1
         grouped = model(input_ids=ids)
         expected = eager(model, input_ids=ids)
     assert len(calls) == 1 + 3
@@ -370,10 +441,10 @@ def test_int8_products_follow_the_cpu(encoder_state, monkeypatch, vnni):
     """inductor's C++ int8 GEMM template has VNNI micro-kernels and otherwise a scalar one (25x slower than oneDNN's
     qlinear on an AVX2 CPU): the template where the CPU has VNNI, oneDNN elsewhere; float32 on oneDNN everywhere."""
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
-    configs = bi.compiled_encoder.gemm_configs(int8_model(encoder_state, seed=10))
+    configs = compiled_encoder.gemm_configs(int8_model(encoder_state, seed=10))
     assert configs.get("max_autotune_gemm_backends") == ("CPP" if vnni else None)
     float32 = bi.BertImplModel(bi.BertImplConfig(**SMALL))
-    assert bi.compiled_encoder.gemm_configs(float32) == {}
+    assert compiled_encoder.gemm_configs(float32) == {}
 
 
 def test_models_it_cannot_compile_are_refused():
@@ -388,6 +459,15 @@ def test_models_it_cannot_compile_are_refused():
 
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Short one.",
              "BERT reads text in both directions, which is what makes it a good encoder for retrieval."]
+
+
+def set_auto_model(transformer, model):
+    """Give a sentence-transformers Transformer module another model (`auto_model`: an attribute before 5.0, a
+    property of `model` since)."""
+    if isinstance(inspect.getattr_static(type(transformer), "auto_model", None), property):
+        transformer.model = model
+    else:
+        transformer.auto_model = model
 
 
 def test_sentence_transformers_and_pipelines_run_the_program_on_minilm(minilm_dir, tmp_path):
@@ -405,9 +485,9 @@ def test_sentence_transformers_and_pipelines_run_the_program_on_minilm(minilm_di
     finally:
         bi.revert_bert_impl()
     path = tmp_path / "minilm.pt2"
-    bi.compile_for_inference(encoder[0].auto_model, path)
+    set_auto_model(encoder[0], bi.compile_for_inference(encoder[0].auto_model, path))
     stat = os.stat(path)
-    bi.compile_for_inference(extractor.model, path)
+    extractor.model = bi.compile_for_inference(extractor.model, path)
     assert os.stat(path).st_mtime_ns == stat.st_mtime_ns
     calls = program_calls(encoder[0].auto_model)
     extractor_calls = program_calls(extractor.model)

@@ -31,13 +31,14 @@ from safetensors import safe_open
 
 import modeling_bert_impl as bi
 from modeling_bert_impl import AUTO_CLASSES, BertImplConfig
-from modeling_bert_impl.model_card import PIPELINE_TAGS, model_card, write_model_card
+from modeling_bert_impl.integrations.model_card import PIPELINE_TAGS, model_card, write_model_card
+from modeling_bert_impl.modeling_bert_impl import stock_name
 from tokenization import BertImplTokenizer, tokenization_bert_impl
 
 TOL = 1e-5
 PACKAGE_DIR = Path(bi.__file__).parent
-CODE_FILES = ["modeling_bert_impl.py", "configuration_bert_impl.py", "bert_padding.py", "input_checks.py",
-              "packed_linear.py", "fused_layers.py"]
+# A saved folder carries the checkpoint's code only: no file of the CPU inference engine (inference/).
+CODE_FILES = ["modeling_bert_impl.py", "configuration_bert_impl.py", "bert_padding.py", "input_checks.py"]
 MODEL_FILES = {"model.safetensors", "config.json", "README.md", *CODE_FILES}
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenization_bert_impl.py", "README.md"}
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)
@@ -206,8 +207,9 @@ def pushed(tmp_path_factory, tokenizer):
 
 
 def test_model_and_tokenizer_pushes_upload_what_a_stranger_needs(pushed):
-    """Per repo: the model commit holds weights (our key names), config with every head in auto_map, the code files
-    as in the package, and our card; the tokenizer commit its files with its auto_map and code file."""
+    """Per repo: the model commit holds weights (stock BERT's key names), config with every head in auto_map, the
+    checkpoint's code files as in the package, and our card; the tokenizer commit its files with its auto_map and
+    code file."""
     hub = pushed["hub"]
     auto_map = {"AutoConfig": "configuration_bert_impl.BertImplConfig",
                 **{auto: f"modeling_bert_impl.{cls.__name__}" for auto, cls in AUTO_CLASSES.items()}}
@@ -223,7 +225,9 @@ def test_model_and_tokenizer_pushes_upload_what_a_stranger_needs(pushed):
         for name in CODE_FILES:
             assert files[name] == (PACKAGE_DIR / name).read_bytes(), name
         with safe_open(hub.snapshot(repo_id) / "model.safetensors", "pt") as weights:
-            assert "layers.0.attn.qkv.weight" in " ".join(weights.keys())  # our names: Trainer resumes from them
+            keys = set(weights.keys())
+        stock = getattr(transformers, stock_name(AUTO_CLASSES[info["auto"]]))(transformers.BertConfig(**config))
+        assert keys <= set(stock.state_dict()) and any(".attention.self.query.weight" in k for k in keys), keys
 
         tokenizer_config = json.loads(files["tokenizer_config.json"])
         assert tokenizer_config["auto_map"]["AutoTokenizer"][0] == "tokenization_bert_impl.BertImplTokenizer"
@@ -415,6 +419,9 @@ def test_model_card_metadata_and_text(tokenizer):
     assert "print(logits.item())" in card.text  # the regression read-out
     assert "| eval_samples_per_second | 99 |" in card.text  # every number is listed in the text
     assert "```bash\npython recipes/glue.py --task stsb\n```" in card.text
+    # The weights are in stock names: the card says transformers' own class loads them, not that they need converting.
+    assert "stock BERT's parameter names" in card.text and "`BertForSequenceClassification` loads them" in card.text
+    assert "own parameter names" not in card.text
 
     bare = ModelCard(str(model_card(model.config, "org/bare", metrics={"eval_loss": 0.1})))
     assert bare.data.eval_results is None  # no dataset given: metrics in the text only

@@ -87,8 +87,8 @@ def test_good_cu_seq_lens_q_is_accepted(packing_model):
 
 def test_multiple_choice_takes_no_packed_batch():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    with pytest.raises(TypeError, match="cu_seq_lens_q"):
-        build(bi.BertImplForMultipleChoice, True)(ids(1), cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match=r"not a packed batch \(cu_seq_lens_q\)"):
+        build(bi.BertImplForMultipleChoice, True)(ids(1)[:, None], cu_seq_lens_q=cu)
 
 
 def test_cu_seq_lens_k_must_equal_q(packing_model):

@@ -45,20 +45,17 @@ def max_diff(a, b) -> float:
     return (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
 
 
-def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(minilm_dir, classifier_dir,
-                                                                              monkeypatch):
+def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(minilm_dir, classifier_dir):
     from sentence_transformers import CrossEncoder, SentenceTransformer
 
-    import modeling_bert_impl.fused_layers as fused_layers
+    inputs_seen = {}  # id(model) -> the number of dims of what the model's first layer saw
 
-    fused = []  # the layers run through the fused CPU inference path (fused_layers.py), with no opting in
-    real_fused_layer = fused_layers.fused_layer
-
-    def fused_layer(layer, *args):
-        fused.append(layer)
-        return real_fused_layer(layer, *args)
-
-    monkeypatch.setattr(fused_layers, "fused_layer", fused_layer)
+    def record(model):
+        """Hooks the first layer of one of our models (stock BERT's module path): what it sees is 2-D (P, H) on the
+        padding-free path, 3-D (B, T, H) on the padded one."""
+        if isinstance(model, bi.BertImplPreTrainedModel):
+            model.base_model.encoder.layer[0].register_forward_hook(
+                lambda module, args, output: inputs_seen.setdefault(id(model), set()).add(args[0].dim()))
 
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
@@ -68,6 +65,8 @@ def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(
         encoder = SentenceTransformer(minilm_dir, device="cpu")
         classifier = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
         cross = CrossEncoder(classifier_dir, device="cpu")
+        for model in (extractor.model, encoder[0].auto_model, classifier, cross.model):
+            record(model)
         with torch.no_grad():
             outputs = {
                 "features": [torch.tensor(f[0]) for f in extractor(SENTENCES)],  # (T_i, H) each, no padding
@@ -87,8 +86,9 @@ def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(
 
     for model in our_models:
         assert isinstance(model, bi.BertImplPreTrainedModel), type(model)
-        assert any(layer is model.base_model.layers[0] for layer in fused), type(model)
         assert type(model.config) is BertConfig and model.config.model_type == "bert"
+    # One sentence at a time (the pipeline): stock's (B, T, H); padded batches: the padding-free rows, by default.
+    assert [inputs_seen[id(model)] for model in our_models] == [{3}, {2}, {2}, {2}]
     for model in stock_models:
         assert type(model).__module__.startswith("transformers.models.bert."), type(model)
     diffs = {

@@ -1,10 +1,12 @@
 """int8 inference (`quantize_for_inference`): embeddings within cosine 0.99 of float32's on real text, every head runs
-on the int8 encoder, and bad calibration is refused."""
+on the int8 encoder, query, key and value quantized as one product, the float32 model given left as it was, and bad
+calibration refused."""
 
-import copy
 import random
 import re
+import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +14,12 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 import modeling_bert_impl as bi
-import modeling_bert_impl.quantization as quantization
+import modeling_bert_impl.inference.fused_layers as fused_layers
+import modeling_bert_impl.inference.quantization as quantization
+from modeling_bert_impl.inference.quantization import Int8Linear, quantize_for_inference, weight_levels
 from modeling_bert_impl.modeling_bert_impl import AUTO_CLASSES
-from modeling_bert_impl.quantization import Int8Linear, quantize_for_inference, weight_levels
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_serving import assert_same_state, model_state  # noqa: E402
 
 pytestmark = pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines,
                                 reason="torch built without oneDNN's quantized engine")
@@ -41,8 +46,12 @@ def test_int8_embeddings_within_cosine_099_of_float32(minilm_dir, text, formulat
     gradients are on."""
     calibration, evaluation = text
     fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
-    int8 = quantize_for_inference(copy.deepcopy(fp32), calibration)
-    assert sum(isinstance(m, Int8Linear) for m in int8.modules()) == 4 * fp32.config.num_hidden_layers
+    state = model_state(fp32)
+    int8 = quantize_for_inference(fp32, calibration)
+    assert_same_state(fp32, state)  # the float32 model given is not changed
+    # query, key, value, the attention output's, the feed-forward's two: each an Int8Linear under its own name
+    assert sum(isinstance(m, Int8Linear) for m in int8.modules()) == 6 * fp32.config.num_hidden_layers
+    assert isinstance(int8.encoder.layer[0].attention.self.query, Int8Linear)
     cosines = []
     for batch in evaluation:
         real = batch["attention_mask"].bool()
@@ -85,7 +94,7 @@ def test_every_head_runs_int8(minilm_dir, text, head):
     fp32 = getattr(bi, head).from_pretrained(minilm_dir).eval()
     choices = (lambda b: {k: v.unsqueeze(1).expand(-1, 2, -1) for k, v in b.items()}) if head.endswith("Choice") else (
         lambda b: b)  # multiple choice: (B, C, T), two choices
-    int8 = quantize_for_inference(copy.deepcopy(fp32), [choices(calibration[0])])
+    int8 = quantize_for_inference(fp32, [choices(calibration[0])])
     batch = {k: v[:4, :24] for k, v in evaluation[0].items()}
     batch["attention_mask"] = torch.ones_like(batch["attention_mask"])  # no padding: heads mask it with -inf or 0
     batch = choices(batch)
@@ -122,7 +131,7 @@ def test_each_eager_kernel_computes_the_int8_product(monkeypatch, engine):
     monkeypatch.setattr(quantization, "engine", lambda: engine)
     torch.manual_seed(0)
     linear, x = torch.nn.Linear(96, 64), torch.randn(5, 7, 96)
-    layer = Int8Linear(linear, x.abs().flatten(0, 1).amax(0))
+    layer = Int8Linear.quantize(linear.weight, linear.bias, x.abs().flatten(0, 1).amax(0))
     with torch.no_grad():
         kernel = layer(x)  # (5, 7, 64)
         with torch.enable_grad():
@@ -139,3 +148,44 @@ def test_bad_calibration_is_refused(minilm_dir):
         quantize_for_inference(model, [])
     with pytest.raises(ValueError, match="CPU in float32"):
         quantize_for_inference(bi.BertImplModel.from_pretrained(minilm_dir).double(), [])
+
+
+def test_query_key_and_value_are_one_product(minilm_dir, text, monkeypatch):
+    """Query, key and value share their input: they are smoothed and rounded as one weight, and the fused layers run
+    them as one product (`Int8Linear.concat` of the three, the same integers) with the outputs of the layers called as
+    modules (hidden states asked for). Changing the float32 model afterwards does not change the int8 model."""
+    fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    int8 = quantize_for_inference(fp32, text[0][:1])
+    attention = int8.encoder.layer[0].attention.self
+    parts = (attention.query, attention.key, attention.value)
+    joint = Int8Linear.concat(parts)
+    assert all(torch.equal(p.inv_smooth, attention.query.inv_smooth) for p in parts)
+    x = torch.randn(3, 5, fp32.config.hidden_size)
+    with torch.no_grad():
+        assert (joint(x) - torch.cat([p(x) for p in parts], -1)).abs().max() < 1e-5
+    calls = []
+    real = fused_layers.fused_layer
+    monkeypatch.setattr(fused_layers, "fused_layer", lambda *args: calls.append(1) or real(*args))
+    batch = {k: v[:4] for k, v in text[1][0].items()}
+    real_tokens = batch["attention_mask"].bool()
+    with torch.inference_mode():
+        fused = int8(**batch).last_hidden_state
+        assert len(calls) == fp32.config.num_hidden_layers
+        modules = int8(**batch, output_hidden_states=True).last_hidden_state
+        assert len(calls) == fp32.config.num_hidden_layers
+        fp32.encoder.layer[0].attention.self.query.weight.data.mul_(2)  # the float32 model changes
+        again = int8(**batch).last_hidden_state
+    assert (fused - modules)[real_tokens].abs().max() < 1e-4
+    assert torch.equal(again, fused)
+
+
+def test_loaded_quantized_and_called_under_inference_mode(minilm_dir, text):
+    """A serving function decorated with torch.inference_mode() that loads the model, quantizes it and calls it."""
+    calibration, evaluation = text
+    batch = evaluation[0]
+    real = batch["attention_mask"].bool()
+    with torch.inference_mode():
+        fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+        int8 = quantize_for_inference(fp32, calibration[:1])
+        got, expected = int8(**batch).last_hidden_state[real], fp32(**batch).last_hidden_state[real]
+    assert F.cosine_similarity(got, expected, dim=-1).min() > 0.98

@@ -1,15 +1,15 @@
 """Export a bert-impl model (or a stock BERT folder) to ONNX, with dynamic batch and sequence axes, checked against
 PyTorch in onnxruntime:
 
-    python -m modeling_bert_impl.export MODEL OUTPUT_DIR [--task TASK] [--overwrite]
+    python -m modeling_bert_impl.integrations.export MODEL OUTPUT_DIR [--task TASK] [--overwrite]
     bert-impl-export MODEL OUTPUT_DIR ...                  (the same, as a console script)
 
-MODEL is a folder or a Hub id; TASK one of the keys of TASKS (default: the folder's architecture). OUTPUT_DIR gets
-model.onnx (weights inside, or beside it in model.onnx.data above 1 GiB), config.json (as stock BERT's), the
-tokenizer files when MODEL has them, and export.json (what was exported and the measured max |diff| against PyTorch
-on a padded sample batch of another shape than the one exported). The graph is torch.export's
-of the padded path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask, token_type_ids, each
-(batch, sequence), or (batch, choices, sequence) for multiple choice.
+MODEL is a folder or a Hub id; TASK one of the tasks of tasks.py's table (default: the folder's architecture).
+OUTPUT_DIR gets model.onnx (weights inside, or beside it in model.onnx.data above 1 GiB), config.json (stock BERT's,
+by the model file's `write_stock_config`), the tokenizer files when MODEL has them, and export.json (what was exported
+and the measured max |diff| against PyTorch on a padded sample batch of another shape than the one exported). The
+graph is torch.export's of the padded path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask,
+token_type_ids, each (batch, sequence), or (batch, choices, sequence) for multiple choice.
 """
 
 import argparse
@@ -20,16 +20,8 @@ import warnings
 
 import torch
 
-TASKS = {  # task -> our class
-    "feature-extraction": "BertImplModel",
-    "pretraining": "BertImplForPreTraining",
-    "fill-mask": "BertImplForMaskedLM",
-    "next-sentence-prediction": "BertImplForNextSentencePrediction",
-    "text-classification": "BertImplForSequenceClassification",
-    "token-classification": "BertImplForTokenClassification",
-    "question-answering": "BertImplForQuestionAnswering",
-    "multiple-choice": "BertImplForMultipleChoice",
-}
+from .tasks import HEADS, TASKS, auto_class_of, head_class
+
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 SAMPLE_TEXTS = ["The quick brown fox jumps over the lazy dog.", "Short.", "BERT reads text in both directions at once."]
 
@@ -37,10 +29,9 @@ SAMPLE_TEXTS = ["The quick brown fox jumps over the lazy dog.", "Short.", "BERT 
 def default_task(config) -> str:
     """The task of the folder's architecture (ours or stock BERT's name), feature-extraction without one."""
     for architecture in getattr(config, "architectures", None) or []:
-        name = architecture.replace("BertImpl", "Bert", 1).replace("Bert", "BertImpl", 1)  # stock or ours -> ours
-        for task, cls in TASKS.items():
-            if cls == name:
-                return task
+        auto = auto_class_of(architecture)
+        if auto is not None:
+            return HEADS[auto][0]
     return "feature-extraction"
 
 
@@ -81,7 +72,7 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
     import transformers
     from transformers import AutoConfig, AutoTokenizer
 
-    import modeling_bert_impl as bi
+    from ..modeling_bert_impl import stock_name, write_stock_config
 
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
         raise SystemExit(f"{output_dir} exists and is not empty; choose another folder, or pass --overwrite to replace "
@@ -89,7 +80,7 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
     transformers.logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(model_id)
     task = task or default_task(config)
-    model = getattr(bi, TASKS[task]).from_pretrained(model_id).eval()
+    model = head_class(task).from_pretrained(model_id).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     except (OSError, ValueError):
@@ -125,12 +116,8 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
           f"{tuple(check['input_ids'].shape)} batch: max |diff| {diff:.2e} (tolerance {atol:g})")
 
     # The config as stock BERT's (what the graph computes), so that plain transformers reads it beside the ONNX model
-    config = model.config.to_dict()
-    for key in ("auto_map", "unpad_inputs", "sparse_prediction"):
-        config.pop(key, None)
-    config.update(model_type="bert", architectures=[type(model).__name__.replace("BertImpl", "Bert", 1)])
-    with open(os.path.join(output_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+    model.config.to_json_file(os.path.join(output_dir, "config.json"), use_diff=False)
+    write_stock_config(output_dir, stock_name(type(model)))
     if tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
     with open(os.path.join(output_dir, "export.json"), "w") as f:

@@ -7,95 +7,80 @@ path (fused_layers.py). `compile_for_inference` exports the encoder's forward on
 (.pt2): one C++ program with the weights frozen in oneDNN's layout (on an AVX2 CPU: in the panels of our own product
 and attention kernels, avx2_gemm.py, faster there than oneDNN's and SDPA), the small operations fused into loops, no
 Python between them.
-BertImplModel then runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch without
+The inference model it returns (a copy of the model given, with `optimize_for_inference`'s packed weights and fused
+layers: frozen_model.py) runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch without
 padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8 model a padded one too, as
 the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into groups padded to their
 longest, one run per group, so that the products skip nearly all the padding. The heads run on its outputs as before,
 and everything else (float32's padded batches, whose eager path is as fast; hidden states or attention maps asked for,
-packed batches, autograd, training) stays the eager path. Figures: benchmarks/RESULTS.md, "compile_for_inference". An
-int8 model (`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program on a CPU
-with AVX-512 VNNI (`INT8_CONFIGS`), our int8 kernel on an AVX2 CPU (avx2_gemm.py), oneDNN's elsewhere: the program
-computes `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's
-(and, on some shapes, the template's fused quantizing rounds a few differently again).
+packed batches, inputs that need gradients, hooks or replaced modules) stays the eager path, `optimize_for_inference`'s.
+Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model (`quantize_for_inference`) compiles too, its
+products inductor's own C++ int8 GEMM in the program on a CPU with AVX-512 VNNI (`INT8_CONFIGS`), our int8 kernel on
+an AVX2 CPU (avx2_gemm.py), oneDNN's elsewhere: the program computes `Int8Linear`'s traced formulation, whose
+activations round a little differently from the eager int8 kernel's (and, on some shapes, the template's fused
+quantizing rounds a few differently again).
 
 Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores; on an AVX2 CPU
 11-16 s more the first time, to build the kernels into inductor's cache), and the package, loaded, holds one more copy
 of the encoder's weights (93 MB there). Compile once, keep the package, and load it in the serving processes: a
-`package_path` that exists is loaded, after checking that it was compiled from these weights with this torch for this
-CPU's vector instructions (its code uses them), never written over. A package compiled with the kernels needs them where
+`package_path` that exists is loaded, after checking that it was compiled from these weights (a fingerprint of them,
+taken at the call, is in its metadata) with this torch for this CPU's vector instructions (its code uses them), never
+written over. A package compiled with the kernels needs them where
 it is loaded: built there (the same compiler) or found in the cache.
 """
 
+import functools
 import hashlib
-import itertools
 import json
 import math
-import operator
 import os
 import tempfile
-import warnings
 from collections import OrderedDict
-from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as module_hooks
-from torch.utils.hooks import RemovableHandle
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from . import avx2_gemm
-from .bert_padding import UnpaddedLayout
+from ..bert_padding import UnpaddedLayout
+from ..modeling_bert_impl import BertImplModel
+from .frozen_model import InferenceModule, ModuleTree, inference_class, inference_copy
 from .fused_layers import UNMASKED_ATTENTION, group_size
-from .modeling_bert_impl import BertImplModel
-from .packed_linear import PROBE_WIDTH, global_hooks, untraced_inference
+from .packed_linear import untraced
 from .quantization import Int8Linear
+from .serving import base_of, optimize_copy
 
-FORMAT = "bert-impl compiled model 4"  # what the package's metadata says it holds; a new layout gets a new number
-
-
-def parameters(base: BertImplModel) -> list[torch.Tensor]:
-    """Every parameter of every module below the model, in module order (the program's inputs follow it)."""
-    return [p for m in base.modules() for p in m._parameters.values()]
-
-
-def watched(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What the program compares with its own copy on each call to see that the weights did not change: every vector
-    (biases, norms) whole, read through its parameter (so a new storage is seen too), and the first PROBE_WIDTH entries
-    of each matrix's middle row, a view of the storage it has now (whose address and version counter are compared
-    besides)."""
-    return [p for p in params if p.dim() == 1] + [p.detach()[len(p) // 2, :PROBE_WIDTH] for p in params if p.dim() == 2]
+FORMAT = "bert-impl compiled model 5"  # what the package's metadata says it holds; a new layout gets a new number
 
 
 class Program(nn.Module):
-    """What the program computes: the model on a batch (B, T) of ids and attention mask -> last hidden state (B, T, H),
-    with a pooler the pooled output (B, H), and whether `watched` equals its compile-time values (a 0-d bool)."""
+    """What the program computes: the model on a batch (B, T) of ids and attention mask -> last hidden state (B, T, H)
+    and, with a pooler, the pooled output (B, H)."""
 
     def __init__(self, base: BertImplModel):
         super().__init__()
         self.base = base
-        self.register_buffer("watched_values", torch.cat(watched(parameters(base))).clone())
 
-    def forward(self, input_ids, attention_mask, token_type_ids, position_ids, watched_now: torch.Tensor):
-        outputs = self.base(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                            position_ids=position_ids, return_dict=False)
-        return *outputs, torch.eq(watched_now, self.watched_values).all()
+    def forward(self, input_ids, attention_mask, token_type_ids, position_ids):
+        return self.base(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                         position_ids=position_ids, return_dict=False)
 
 
 def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | None = None) -> nn.Module:
-    """Give `model` (any bert-impl head, on CPU in float32) an ahead-of-time compiled encoder for inference, in place;
-    returns it (in eval mode).
+    """An inference model of `model` (any bert-impl head, on CPU in float32, or the int8 model
+    `quantize_for_inference` made of one; the model itself is not changed) whose encoder runs as a program compiled
+    ahead of time, in eval mode, refusing training with a ValueError.
 
     `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it was compiled from
     the same weights by the same torch for the same CPU instructions (else a ValueError says what differs); None
     compiles into a temporary file. Calls with `input_ids` (batch 1, dense batches, at least 2 tokens, at most 64 in all
     in float32 on an AVX2 CPU: `token_limit`; padded batches too in an int8 model), no hidden states or attention maps
-    asked for, in inference (`torch.no_grad()`, eval mode), then run the encoder (embeddings, layers, pooler) as that
-    program (a padded batch once per group of sequences of similar length); the heads run as before. Changing the
-    weights afterwards (training, `load_state_dict`, merging an adapter) sends calls back to the eager path with a
-    warning: compile again. Replacing modules (PEFT adapters, `quantize_for_inference`) or hooks on them do the same
-    without one. An int8 model compiles too: `quantize_for_inference` first, then this (the program runs `Int8Linear`'s
-    traced formulation)."""
-    base = getattr(model, "base_model", model)
+    asked for, no labels, inputs that need no gradient, run the encoder (embeddings, layers, pooler) as that program (a
+    padded batch once per group of sequences of similar length); the heads run as before, and every other call runs
+    `optimize_for_inference`'s path. The weights are the model's at this call: changing the model afterwards does not
+    change the inference model (compile again). An int8 model's program runs `Int8Linear`'s traced formulation."""
+    base = base_of(model)
     if not isinstance(base, BertImplModel):
         raise ValueError(f"model: {type(model).__name__} is not a bert-impl model")
     if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in base.parameters()):
@@ -104,29 +89,82 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     if base.config._attn_implementation not in UNMASKED_ATTENTION:
         raise ValueError(f"model: attention implementation {base.config._attn_implementation!r} is not compiled; "
                          f"load the model with attn_implementation in {UNMASKED_ATTENTION}")
-    model.eval()
-    base.compiled_encoder = None  # while compiling: the model as it is
     metadata = {"format": FORMAT, "torch": torch.__version__, "cpu": cpu_instructions(),
                 "fingerprint": fingerprint(base)}
+    frozen = optimize_copy(inference_copy(model, "compile_for_inference"))
+    frozen_base = base_of(frozen)
     if package_path is not None and os.path.exists(package_path):
-        runner = load_package(base, os.fspath(package_path))
-        found = runner.get_metadata()
-        differs = [key for key, value in metadata.items() if found.get(key) != value]
-        if differs:
-            what = {"format": "package format", "torch": "torch release", "cpu": "CPU instruction set",
-                    "fingerprint": "model or weights"}
-            raise ValueError(
-                f"package_path: {os.fspath(package_path)} was compiled from another "
-                + " and ".join(what[k] for k in differs)
-                + "".join(f" ({k} {found.get(k)!r}, here {metadata[k]!r})" for k in differs if k != "fingerprint")
-                + "; give another path, or delete it to compile this model there"
-            )
+        runner = load_package(frozen_base, os.fspath(package_path))
+        check_metadata(runner.get_metadata(), metadata, os.fspath(package_path))
     else:
         if package_path is None:
             package_path = os.path.join(tempfile.mkdtemp(prefix="bert_impl_"), "model.pt2")
-        runner = compile_package(base, os.fspath(package_path), metadata)
-    base.compiled_encoder = CompiledEncoder(runner, base)
-    return model
+        runner = compile_package(frozen_base, os.fspath(package_path), metadata)
+    frozen_base.__class__ = compiled_class(type(frozen_base))
+    frozen_base.compiled_encoder = CompiledEncoder(runner, frozen_base)
+    frozen_base.program_tree = ModuleTree(frozen_base)
+    return frozen
+
+
+def check_metadata(found: dict, metadata: dict, package_path: str) -> None:
+    """A ValueError naming what differs between a package's metadata and what this call would compile."""
+    differs = [key for key, value in metadata.items() if found.get(key) != value]
+    if differs:
+        what = {"format": "package format", "torch": "torch release", "cpu": "CPU instruction set",
+                "fingerprint": "model or weights"}
+        raise ValueError(
+            f"package_path: {package_path} was compiled from another "
+            + " and ".join(what[k] for k in differs)
+            + "".join(f" ({k} {found.get(k)!r}, here {metadata[k]!r})" for k in differs if k != "fingerprint")
+            + "; give another path, or delete it to compile this model there"
+        )
+
+
+class CompiledBertImplModel(InferenceModule, BertImplModel):
+    """The encoder model of `compile_for_inference`'s inference model (made by swapping the class of the copy's
+    BertImplModel for `compiled_class` of it): its forward runs the compiled program where it stands in for the model
+    (`CompiledEncoder`), the model's own forward elsewhere."""
+
+    # set by compile_for_inference: compiled_encoder (a CompiledEncoder, None to set it aside), program_tree
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                output_attentions=None, output_hidden_states=None, cu_seq_lens_q=None, seq_idx=None,
+                label_checks=None, return_dict=None, **kwargs):
+        if self.program_may_run(inputs_embeds, output_attentions, output_hidden_states, cu_seq_lens_q, seq_idx,
+                                label_checks, kwargs):
+            out = self.compiled_encoder(input_ids, attention_mask, token_type_ids, position_ids)
+            if out is not None:
+                return out if config_default(return_dict, self.config.return_dict) else out.to_tuple()
+        if return_dict is not None:
+            kwargs["return_dict"] = return_dict
+        return super().forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                               cu_seq_lens_q=cu_seq_lens_q, seq_idx=seq_idx, label_checks=label_checks, **kwargs)
+
+    def program_may_run(self, inputs_embeds, output_attentions, output_hidden_states, cu_seq_lens_q, seq_idx,
+                        label_checks, kwargs) -> bool:
+        """ids (not embeddings) of an unpacked batch, no outputs the program does not give, no labels to check (the
+        eager path names bad ones), and the modules as compiled (float32 on CPU, no hooks, none replaced)."""
+        weight = self.embeddings.word_embeddings.weight
+        return (self.compiled_encoder is not None and inputs_embeds is None
+                and weight.dtype == torch.float32 and weight.device.type == "cpu"
+                and not config_default(output_attentions, self.config.output_attentions)
+                and not config_default(output_hidden_states, self.config.output_hidden_states)
+                and cu_seq_lens_q is None and seq_idx is None and not label_checks and not kwargs
+                and self.program_tree.unchanged())
+
+
+@functools.cache
+def compiled_class(cls: type) -> type:
+    """CompiledBertImplModel's forward on `cls` (BertImplModel, or a subclass of it such as `apply_bert_impl`'s)."""
+    if issubclass(cls, CompiledBertImplModel):
+        return cls
+    if cls in (BertImplModel, inference_class(BertImplModel)):
+        return CompiledBertImplModel
+    return type(f"Compiled{cls.__name__}", (CompiledBertImplModel, cls), {"__module__": __name__})
+
+
+def config_default(value, default):
+    return default if value is None else value
 
 
 # An int8 model's products through inductor's own C++ GEMM template (VNNI micro-kernels, the per-token quantizing and
@@ -189,24 +227,58 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     # (B, T) an example; the program takes any B >= 1, 2 <= T <= positions. Contiguous, as the program's inputs will be:
     # AOTInductor compiles for the example's strides (positions expanded over the batch would be read from row 0 only).
     ids = torch.ones(2, 8, dtype=torch.long)
-    example = (ids, torch.ones_like(ids), torch.zeros_like(ids), torch.arange(8).repeat(2, 1),
-               torch.cat(watched(parameters(base))))
+    example = (ids, torch.ones_like(ids), torch.zeros_like(ids), torch.arange(8).repeat(2, 1))
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
     configs = {"freezing": True, "aot_inductor.metadata": metadata, **gemm_configs(base)}
-    kernels = avx2_gemm.kernel_modules(base) if avx2_gemm.chosen(base) else nullcontext()
+    kernels = avx2_gemm.kernel_modules(base) if avx2_gemm.chosen(base) else joint_attention(base)
     with torch.no_grad(), kernels:
         program = torch.export.export(Program(base), example,
-                                      dynamic_shapes=({0: batch, 1: length},) * 4 + (None,))
+                                      dynamic_shapes=({0: batch, 1: length},) * 4)
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
                                                            inductor_configs=configs)
     return torch._inductor.aoti_load_package(written)
 
 
-# what each call reads of the inputs and the modules, as C-level loops
+class JointAttention(nn.Module):
+    """A layer's self-attention (BertImplSelfAttention) for the program: query, key and value in one product (`qkv`,
+    of their weights concatenated: one GEMM in the program, as the fused layers run them), then torch's attention."""
+
+    def __init__(self, attention: nn.Module, qkv: nn.Module):
+        super().__init__()
+        self.qkv, self.num_heads, self.scaling = qkv, attention.num_attention_heads, attention.scaling
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):  # (B, T, H) -> (B, T, H), None
+        B, T, H = hidden_states.shape
+        qkv = self.qkv(hidden_states).view(B, T, 3, self.num_heads, H // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, N, T, D)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:  # eager's additive mask, as it is
+            attention_mask = attention_mask.to(q.dtype)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling)
+        return y.transpose(1, 2).reshape(B, T, H), None
+
+
+def joint_product(layers: list[nn.Module]) -> nn.Module:
+    """One module computing `layers` (of one input: nn.Linear or Int8Linear) side by side."""
+    if isinstance(layers[0], Int8Linear):
+        return Int8Linear.concat(layers)
+    joint = nn.Linear(layers[0].in_features, sum(m.out_features for m in layers))
+    joint.weight.data = torch.cat([m.weight.detach() for m in layers])
+    joint.bias.data = torch.cat([m.bias.detach() for m in layers])
+    return joint
+
+
+def joint_attention(base: BertImplModel):
+    """While tracing the program: each layer's self-attention a `JointAttention`; put back after."""
+    targets = []
+    for layer in base.encoder.layer:
+        attention = layer.attention.self
+        qkv = joint_product([attention.query, attention.key, attention.value])
+        targets.append((layer.attention, "self", JointAttention(attention, qkv)))
+    return avx2_gemm.swapped(targets)
+
+
 CPU_INT64 = lambda t: t.dtype == torch.int64 and t.device.type == "cpu"  # noqa: E731
-TRAINING, FORWARD = operator.itemgetter("training"), itertools.repeat("forward")
-DATA_PTR, VERSION = operator.methodcaller("data_ptr"), operator.attrgetter("_version")
 
 # the config fields the program's arithmetic reads
 ENCODER_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -221,30 +293,6 @@ def fingerprint(base: BertImplModel) -> str:
         digest.update(f"{name} {tuple(p.shape)}".encode())
         digest.update(p.detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
-
-
-class Changes:
-    """A count that moves with every submodule, parameter or buffer assigned to any module (torch's global registration
-    hooks, registered by the first compile) and a hook id that moves with every hook registered (each takes the next
-    `RemovableHandle` id): while neither moves, no module tree changed and none gained a hook."""
-
-    assignments, watching = 0, False
-
-    @classmethod
-    def watch(cls):
-        if not cls.watching:
-            module_hooks.register_module_module_registration_hook(cls.count)
-            module_hooks.register_module_parameter_registration_hook(cls.count)
-            module_hooks.register_module_buffer_registration_hook(cls.count)
-            cls.watching = True
-
-    @classmethod
-    def count(cls, module, name, value):  # a registration hook: counts, and the assignment goes on unchanged
-        cls.assignments += 1
-
-    @classmethod
-    def now(cls) -> tuple[int, int]:
-        return cls.assignments, RemovableHandle.next_id
 
 
 def model_output(hidden: torch.Tensor, pooled: torch.Tensor | None = None) -> BaseModelOutputWithPooling:
@@ -263,53 +311,33 @@ def model_output(hidden: torch.Tensor, pooled: torch.Tensor | None = None) -> Ba
 OUTPUT_FIELDS = dict.fromkeys(BaseModelOutputWithPooling.__dataclass_fields__)  # each None, in field order
 
 
-def tensor_ids(state: dict) -> tuple[int, ...]:
-    """ids of a module's own parameters and buffers, from its `__dict__`."""
-    return tuple(map(id, [*state["_parameters"].values(), *state["_buffers"].values()]))
-
-
 class CompiledEncoder:
-    """The compiled program and what it was compiled from; BertImplModel calls it in place of its own forward where it
-    computes the same (`__call__`).
-
-    The model may have changed since it was compiled, so each call checks: no module in training mode or with a
-    patched `forward`; every module below the model the same object as then, with the same parameters and no hooks,
-    looked at again whenever a module or parameter was assigned or a hook registered anywhere since the last look
-    (`Changes`); each matrix at the storage and version counter it had; and, in the program itself, the `watched`
-    entries of the weights equal to their values then (an update through `.data`, as PEFT's merge and EMA updates do,
-    moves no counter). A changed weight found there costs that call one run of the program, and the eager path then
-    serves every call. Values out of range (ids, token types, positions) fail the program's own check (which prints
-    it), and the call goes to the eager path, which names them."""
+    """The compiled program, called by CompiledBertImplModel in place of its own forward where it computes the same
+    (`__call__`). Values out of range (ids, token types, positions) fail the program's own check (which prints it), and
+    the call goes to the eager path, which names them. A copy of the model shares it (the weights it was compiled
+    from are fixed)."""
 
     def __init__(self, runner, base: BertImplModel):
         self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
         self.max_length = base.config.max_position_embeddings
         self.by_shape = {}  # (B, T) -> `constants`
-        self.tree = [(m.__dict__, tuple(m._modules.values()), tensor_ids(m.__dict__)) for m in base.modules()]
-        self.states = [state for state, _, _ in self.tree]
-        self.changes = None  # `Changes.now()` when the tree was last found as compiled
-        Changes.watch()
-        self.params = parameters(base)
-        self.buffers = list(base.buffers())  # held, as the parameters: the ids in `tree` stay theirs
-        self.matrices = [p for p in self.params if p.dim() == 2]
-        self.storage = self.storage_now()
-        self.watched = watched(self.params)  # concatenated on each call, the program compares them with its copy
-        self.stale = False  # weights changed since the compile: the eager path from then on
         # Padded batches: the program by groups for an int8 model (1.5-1.7x the eager int8 speed on mixed lengths);
-        # float32's eager path lays them out the same way at the same speed or better (benchmarks/RESULTS.md, "fifth
-        # pass"), so it keeps them.
+        # float32's eager path lays them out the same way at the same speed or better, so it keeps them.
         self.padded_batches = int8(base)
         self.max_tokens = token_limit(base) or math.inf  # calls of more tokens take the eager path
 
-    # Each call's checks are written for few Python steps (C-level loops, tensors made once per shape): after the
-    # program has streamed the weights through the caches, every Python step runs several times slower than in a loop.
+    def __deepcopy__(self, memo):
+        return self
+
+    # Each call's checks are written for few Python steps (tensors made once per shape): after the program has
+    # streamed the weights through the caches, every Python step runs several times slower than in a loop.
     def __call__(self, input_ids, attention_mask, token_type_ids, position_ids) -> BaseModelOutputWithPooling | None:
         """The model's output: last hidden state (B, T, H) and, where the model pools, pooled output (B, H); None where
         the program may not stand in for the model."""
-        if input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu" or not untraced_inference():
+        if input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu" or not untraced():
             return None
         B, T = input_ids.shape
-        if not 2 <= T <= self.max_length or B * T > self.max_tokens or global_hooks() or not self.same_modules():
+        if not 2 <= T <= self.max_length or B * T > self.max_tokens:
             return None
         positions, zeros, ones = self.constants(B, T)
         if position_ids is None:
@@ -323,8 +351,6 @@ class CompiledEncoder:
         ids = (input_ids, token_type_ids, position_ids)
         if position_ids is None or token_type_ids.shape != (B, T) or not all(map(CPU_INT64, ids)):
             return None
-        if self.stale or self.storage_now() != self.storage:
-            return self.changed()
         mask = attention_mask
         if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"):
             return None
@@ -350,26 +376,23 @@ class CompiledEncoder:
             found = self.by_shape[B, T] = positions, torch.zeros_like(positions), torch.ones_like(positions)
         return found
 
-    def program(self, input_ids, token_type_ids, position_ids, mask, watched_now) -> list | None:
-        """The program on (B, T) inputs and `watched` concatenated; None where it may not answer (its range check
-        failed, weights changed)."""
+    def program(self, input_ids, token_type_ids, position_ids, mask) -> list | None:
+        """The program on (B, T) inputs; None where it may not answer (its range check failed)."""
         try:
-            *outputs, same = self.run([input_ids.contiguous(), mask, token_type_ids.contiguous(),
-                                       position_ids.contiguous(), watched_now])
+            return self.run([input_ids.contiguous(), mask, token_type_ids.contiguous(), position_ids.contiguous()])
         except RuntimeError:  # its range check of the ids failed: the eager path says which
             return None
-        return outputs if same else self.changed()
 
     def dense(self, ids: tuple[torch.Tensor, ...], ones: torch.Tensor) -> list | None:
         """A batch without padding (B, T): the program on groups of `group_size(T)` sequences, as the eager path runs
         the layers (`fused_encoder`: each product's inputs and outputs stay in the cache), the outputs concatenated."""
         B, T = ones.shape
-        group, watched_now = group_size(T), torch.cat(self.watched)
+        group = group_size(T)
         if B <= group:
-            return self.program(*ids, ones, watched_now)
+            return self.program(*ids, ones)
         parts = []
         for i in range(0, B, group):
-            outputs = self.program(*(t[i:i + group] for t in ids), ones[i:i + group], watched_now)
+            outputs = self.program(*(t[i:i + group] for t in ids), ones[i:i + group])
             if outputs is None:  # no group runs after one the program refused
                 return None
             parts.append(outputs)
@@ -384,11 +407,10 @@ class CompiledEncoder:
                                       bucketed=True)
         rows = [layout.unpad(t) for t in ids]  # each (P,)
         rows_real = (layout.attention.key_mask == 0).long()  # (P,) 1 on the rows that hold a real token
-        watched_now = torch.cat(self.watched)  # once for every group
         hidden, pooled, first, start = [], [], [], 0
         for s, t, _ in layout.attention.shapes:
             group = slice(start, start + s * t)
-            outputs = self.program(*(r[group].view(s, t) for r in rows), rows_real[group].view(s, t), watched_now)
+            outputs = self.program(*(r[group].view(s, t) for r in rows), rows_real[group].view(s, t))
             if outputs is None:
                 return None
             hidden.append(outputs[0].flatten(0, 1))  # (s_g * T_g, H)
@@ -400,37 +422,3 @@ class CompiledEncoder:
             pooled, sequence = torch.cat(pooled), layout.grid[torch.cat(first)] // T
             outputs.append(torch.empty_like(pooled).index_copy_(0, sequence, pooled))
         return outputs
-
-    def changed(self) -> None:
-        if not self.stale:
-            warnings.warn("compile_for_inference: the model's weights changed since it was compiled, so it runs "
-                          "uncompiled; call compile_for_inference(model) again to compile the new weights")
-            self.stale = True
-        return None
-
-    def __deepcopy__(self, memo):  # a copy of the model has other modules: none of its calls could run the program
-        return None
-
-    def __reduce__(self):  # a pickled model unpickles without it, as a copy
-        return type(None), ()
-
-    def same_modules(self) -> bool:
-        """Every module as compiled (the same children and parameters, no hooks: looked at again only after an
-        assignment or a hook anywhere: `Changes`), in eval mode, with no patched forward."""
-        changes = Changes.now()
-        if changes != self.changes:
-            if not self.same_tree():
-                return False
-            self.changes = changes
-        return not any(map(TRAINING, self.states)) and not any(map(dict.__contains__, self.states, FORWARD))
-
-    def storage_now(self) -> list:
-        """Each matrix's storage address and version counter."""
-        return [*map(DATA_PTR, self.matrices), *map(VERSION, self.matrices)]
-
-    def same_tree(self) -> bool:
-        for state, children, tensors in self.tree:
-            if (state["_forward_hooks"] or state["_forward_pre_hooks"] or tuple(state["_modules"].values()) != children
-                    or tensor_ids(state) != tensors):
-                return False
-        return True

@@ -53,7 +53,8 @@ from torch import nn
 from torch.utils import cpp_extension
 
 from .packed_linear import is_exact_gelu
-from .quantization import Int8Linear, encoder_linears, weight_levels
+from .quantization import Int8Linear, weight_levels
+from .serving import encoder_linears
 
 SOURCE = Path(__file__).with_name("csrc") / "sgemm_avx2.cpp"
 PANEL = 16  # output columns per panel (the C++ kernel's PANEL)
@@ -74,8 +75,8 @@ def chosen(base: nn.Module) -> bool:
     """Whether the program of `base` runs its encoder products and attention through the kernels: on a `supported`
     CPU, with the kernels built and loaded; float32 layers through `sgemm`, int8 ones (`quantize_for_inference`)
     through `qgemm` where their weights have 7 bits (`weight_levels`: the CPU has no VNNI, as an AVX2 one has not)."""
-    int8 = encoder_linears(base, Int8Linear)
-    if not supported() or not (encoder_linears(base) or int8) or (int8 and weight_levels() != 63):
+    int8 = encoder_linears(base.encoder, Int8Linear)
+    if not supported() or not (encoder_linears(base.encoder) or int8) or (int8 and weight_levels() != 63):
         return False
     return load() is None
 
@@ -132,14 +133,19 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class KernelLinear(nn.Module):
-    """An nn.Linear's product through the kernel, on its weight packed once (a buffer: the program freezes it), the
-    exact GELU taken of it where `gelu`; its parameters are the layer's own, so the program's inputs stay the same."""
+    """A float32 product through the kernel, on its weight (out, in) packed once (a buffer: the program freezes it),
+    the exact GELU taken of it where `gelu`."""
 
-    def __init__(self, layer: nn.Linear, gelu: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool = False):
         super().__init__()
-        self.out_features, self.gelu = layer.out_features, gelu
-        self.weight, self.bias = layer.weight, layer.bias
-        self.register_buffer("packed", pack(layer.weight.detach()), persistent=False)
+        self.out_features, self.gelu = weight.shape[0], gelu
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self.register_buffer("packed", pack(weight.detach()), persistent=False)
+
+    @classmethod
+    def of(cls, layers: list[nn.Linear], gelu: bool = False) -> "KernelLinear":
+        """The product of `layers` (of one input) side by side: their weights and biases concatenated."""
+        return cls(torch.cat([m.weight for m in layers]), torch.cat([m.bias for m in layers]), gelu)
 
     def forward(self, x):  # (..., in) -> (..., out)
         return torch.ops.bert_impl.sgemm(x, self.packed, self.bias, self.out_features, self.gelu)
@@ -173,40 +179,59 @@ class KernelInt8Linear(nn.Module):
 
 
 class KernelAttention(nn.Module):
-    """A layer's self-attention (BertImplAttention) with its softmax(q k^T * scaling) v through the kernel
-    (`bert_impl::attention`), on the fused q, k, v product as it comes and without an attention map; its linear layers
-    are the layer's own (by then `KernelLinear`s or `KernelInt8Linear`s)."""
+    """A layer's self-attention (BertImplSelfAttention) with its softmax(q k^T * scaling) v through the kernel
+    (`bert_impl::attention`), on query, key and value in one product (`qkv`, a KernelLinear or KernelInt8Linear of
+    the three), without an attention map."""
 
-    def __init__(self, attn: nn.Module):
+    def __init__(self, attention: nn.Module, qkv: nn.Module):
         super().__init__()
-        self.qkv, self.out, self.num_heads, self.scaling = attn.qkv, attn.out, attn.num_heads, attn.scaling
+        self.qkv, self.num_heads, self.scaling = qkv, attention.num_attention_heads, attention.scaling
 
-    def forward(self, x, attention_mask=None, varlen=None, output_attentions=False):  # (B, T, H) -> (B, T, H), None
+    def forward(self, hidden_states, attention_mask=None, **kwargs):  # (B, T, H) -> (B, T, H), None
         keep = attention_mask
         if keep is not None and keep.dtype != torch.bool:  # eager attention's additive mask: 0 where a key is kept
             keep = keep == 0
-        return self.out(torch.ops.bert_impl.attention(self.qkv(x), keep, self.num_heads, self.scaling)), None
+        return torch.ops.bert_impl.attention(self.qkv(hidden_states), keep, self.num_heads, self.scaling), None
+
+
+def kernel_product(layers: list[nn.Module], gelu: bool = False) -> nn.Module:
+    """The kernel's product of `layers` (one input; nn.Linear or Int8Linear) side by side."""
+    if isinstance(layers[0], Int8Linear):
+        return KernelInt8Linear(Int8Linear.concat(layers) if len(layers) > 1 else layers[0])
+    return KernelLinear.of(layers, gelu)
 
 
 @contextmanager
 def kernel_modules(base: nn.Module):
-    """While tracing the program: every nn.Linear in the encoder's layers and the pooler replaced by a `KernelLinear`
-    (the pooler's through oneDNN took 0.17 ms of a 26 ms call at 1 x 128), the feed-forward's exact GELU taken in
-    its first product's (the activation then an identity), every Int8Linear by a `KernelInt8Linear`, then each
-    layer's attention by a `KernelAttention`; put back after."""
-    pooler = base.pooler.modules() if base.pooler is not None else ()
-    gelu = [layer.ffn for layer in base.layers if isinstance(layer.ffn.up, nn.Linear) and is_exact_gelu(layer.ffn.act)]
-    targets = [(parent, name, layer, functools.partial(KernelLinear, gelu=name == "up" and parent in gelu))
-               for parent, name, layer in encoder_linears(base)]
-    targets += [(ffn, "act", ffn.act, lambda act: nn.Identity()) for ffn in gelu]
-    targets += [(parent, name, layer, KernelLinear) for parent in pooler for name, layer in parent.named_children()
-                if isinstance(layer, nn.Linear)]
-    targets += [(parent, name, layer, KernelInt8Linear) for parent, name, layer in encoder_linears(base, Int8Linear)]
-    targets += [(layer, "attn", layer.attn, KernelAttention) for layer in base.layers]
+    """While tracing the program: in each layer, the self-attention replaced by a `KernelAttention` on one product of
+    query, key and value, and the other linear layers by the kernel's products (`kernel_product`), the feed-forward's
+    exact GELU taken in its first product's (the activation then an identity); the pooler's product too (through
+    oneDNN it took 0.17 ms of a 26 ms call at 1 x 128). Put back after."""
+    targets = []
+    for layer in base.encoder.layer:
+        attention, intermediate = layer.attention.self, layer.intermediate
+        gelu = isinstance(intermediate.dense, nn.Linear) and is_exact_gelu(intermediate.intermediate_act_fn)
+        qkv = kernel_product([attention.query, attention.key, attention.value])
+        targets += [(layer.attention, "self", KernelAttention(attention, qkv)),
+                    (layer.attention.output, "dense", kernel_product([layer.attention.output.dense])),
+                    (intermediate, "dense", kernel_product([intermediate.dense], gelu)),
+                    (layer.output, "dense", kernel_product([layer.output.dense]))]
+        targets += [(intermediate, "intermediate_act_fn", nn.Identity())] if gelu else []
+    if base.pooler is not None and isinstance(base.pooler.dense, nn.Linear):
+        targets.append((base.pooler, "dense", kernel_product([base.pooler.dense])))
+    with swapped(targets):
+        yield
+
+
+@contextmanager
+def swapped(targets: list[tuple[nn.Module, str, nn.Module]]):
+    """Each (parent, name, module): `module` set as parent's child `name` while the block runs, the original back
+    after."""
+    originals = [(parent, name, getattr(parent, name)) for parent, name, _ in targets]
     try:
-        for parent, name, module, kernel in targets:  # in order: the attention takes the kernels' linear layers
-            setattr(parent, name, kernel(getattr(parent, name)))
+        for parent, name, module in targets:
+            setattr(parent, name, module)
         yield
     finally:
-        for parent, name, module, _ in reversed(targets):
+        for parent, name, module in reversed(originals):
             setattr(parent, name, module)

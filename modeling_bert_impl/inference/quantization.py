@@ -23,9 +23,11 @@ Faster still: `compile_for_inference(model)` after quantizing compiles the int8 
 AVX2 CPUs (avx2_gemm.py: `bert_impl::qgemm`, the same integers), oneDNN's elsewhere, on weights packed at compile time,
 with the quantizing and rescaling fused around them (`Int8Linear.forward`'s traced formulation).
 
-Inference only (no gradient flows through an `Int8Linear`); the heads and the pooler stay float32, on the packed path.
-The float32 weights of the replaced layers are dropped: save the model before quantizing it. Each replaced layer holds
-its int8 weight twice (packed for the kernel, plain for tracing): half the float32 weight's size in all.
+The int8 model is an inference model (frozen_model.py): a copy of the model given, which stays float32 and
+trainable. Query, key and value are quantized together (one smoothing and one rounding of their concatenated weight,
+as they share their input) into three `Int8Linear` layers under their own names, and the fused encoder runs them as one
+product (fused_layers.py); the heads and the pooler stay float32, on packed weights. Each Int8Linear holds its int8
+weight twice (packed for the kernel, plain for tracing): half the float32 weight's size in all.
 """
 
 import warnings
@@ -35,8 +37,10 @@ import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.
 import torch.nn.functional as F
 from torch import nn
 
-from .packed_linear import untraced_inference
-from .serving import optimize_for_inference
+from .frozen_model import inference_copy
+from .fused_layers import LayerProducts, ModuleProduct, fuse_encoder
+from .packed_linear import pack_linears, untraced_inference
+from .serving import base_of, encoder_linears
 
 DECOMPOSED = torch.ops.quantized_decomposed
 ROWS_UINT8 = (1 / 127, 128, 0, 255, torch.uint8)  # scale, zero point, range, dtype: [-1, 1] in 255 steps
@@ -89,8 +93,7 @@ def gptq_round(w: torch.Tensor, scale: torch.Tensor, moments: torch.Tensor, leve
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W int8 (per output channel), x int8 per token (quantized on each call), after dividing x's
-    channels by `smooth` (and multiplying W's columns by it). W is rounded by `gptq_round` where `input_moments` (the
-    calibration inputs' x^T x, (in, in)) are given, else to the nearest level.
+    channels by `smooth` (W's columns multiplied by it when it was quantized: `quantize`).
 
     Two formulations of the product, one per caller: in eager inference, the dynamic kernel (`engine`'s)
     (`quantized.linear_dynamic` on a packed weight; it quantizes and dequantizes inside, the fastest eager route);
@@ -98,36 +101,59 @@ class Int8Linear(nn.Module):
     dequantized as `quantized_decomposed` operations around a float product: the pattern PyTorch's own int8 programs
     have, which inductor turns into an int8 product on a weight packed at compile time (oneDNN's, or its own C++ GEMM
     template: compiled_encoder.gemm_configs; the packed weight of the eager kernel is an opaque object `torch.export`
-    refuses). Both use the same int8 weight; the activations round
-    slightly differently (the kernel: uint8 steps over the call's range; traced: steps of 1/127)."""
+    refuses). Both use the same int8 weight; the activations round slightly differently (the kernel: uint8 steps over
+    the call's range; traced: steps of 1/127).
 
-    def __init__(self, linear: nn.Linear, input_max: torch.Tensor, alpha: float = ALPHA,
-                 input_moments: torch.Tensor | None = None):
+    weight_int8 (out, in) int8, scale (out,) the weight's steps, inv_smooth (in,) 1 / the smoothing scales, bias (out,).
+    """
+
+    def __init__(self, weight_int8: torch.Tensor, scale: torch.Tensor, inv_smooth: torch.Tensor, bias: torch.Tensor):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach().float()  # (out, in)
+        self.out_features, self.in_features = weight_int8.shape
+        weight_int8 = weight_int8.contiguous()  # (gptq_round's is a transposed view; inductor reads it as contiguous)
+        zero_point = torch.zeros_like(scale, dtype=torch.long)
+        with warnings.catch_warnings():  # quantized tensors are deprecated as a user-facing type; the ops are not
+            warnings.simplefilter("ignore")
+            q = torch._make_per_channel_quantized_tensor(weight_int8, scale.double(), zero_point, 0)
+            previous, torch.backends.quantized.engine = torch.backends.quantized.engine, engine()
+            try:  # in a tuple: torch.export refuses modules holding the packed weight's opaque object as an attribute
+                self._packed = (torch.ops.quantized.linear_prepack(q, None),)
+            finally:
+                torch.backends.quantized.engine = previous
+        self.register_buffer("inv_smooth", inv_smooth, persistent=False)  # (in,)
+        self.register_buffer("bias", bias, persistent=False)  # (out,)
+        self.register_buffer("weight_int8", weight_int8, persistent=False)  # (out, in)
+        self.register_buffer("scale", scale.float(), persistent=False)  # (out,)
+        self.register_buffer("zero_point", zero_point, persistent=False)  # (out,)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, input_max: torch.Tensor, alpha: float = ALPHA,
+                 input_moments: torch.Tensor | None = None) -> "Int8Linear":
+        """The int8 layer of a float32 one (weight (out, in), bias (out,) or None), its inputs' largest |x_c| being
+        `input_max` (in,): SmoothQuant's scales, then W rounded by `gptq_round` where `input_moments` (the calibration
+        inputs' x^T x, (in, in)) are given, else to the nearest level."""
+        w = weight.detach().float()  # (out, in)
         smooth = input_max.float().clamp_min(1e-5) ** alpha / w.abs().amax(0).clamp_min(1e-5) ** (1 - alpha)  # (in,)
-        self.register_buffer("inv_smooth", 1 / smooth, persistent=False)
-        bias = linear.bias.detach().float() if linear.bias is not None else torch.zeros(self.out_features)
-        self.register_buffer("bias", bias, persistent=False)
+        bias = bias.detach().float() if bias is not None else torch.zeros(w.shape[0])
         w = w * smooth
         scale = (w.abs().amax(1).clamp_min(1e-12) / weight_levels()).double()  # (out,)
         if input_moments is None:  # to the nearest level
             q = (w / scale[:, None]).round().clamp(-weight_levels(), weight_levels()).to(torch.int8)
         else:  # the moments of the smoothed inputs
             q = gptq_round(w, scale, input_moments / (smooth[:, None] * smooth[None, :]), weight_levels())
-        zero_point = torch.zeros_like(scale, dtype=torch.long)
-        with warnings.catch_warnings():  # quantized tensors are deprecated as a user-facing type; the ops are not
-            warnings.simplefilter("ignore")
-            q = torch._make_per_channel_quantized_tensor(q, scale, zero_point, 0)
-            previous, torch.backends.quantized.engine = torch.backends.quantized.engine, engine()
-            try:  # in a tuple: torch.export refuses modules holding the packed weight's opaque object as an attribute
-                self._packed = (torch.ops.quantized.linear_prepack(q, None),)
-            finally:
-                torch.backends.quantized.engine = previous
-        self.register_buffer("weight_int8", q.int_repr(), persistent=False)  # (out, in)
-        self.register_buffer("scale", scale.float(), persistent=False)  # (out,)
-        self.register_buffer("zero_point", zero_point, persistent=False)  # (out,)
+        return cls(q, scale.float(), 1 / smooth, bias)
+
+    @classmethod
+    def concat(cls, layers: list["Int8Linear"]) -> "Int8Linear":
+        """One layer computing `layers` (of one input and the same smoothing) side by side: (..., in) -> (..., sum of
+        their out)."""
+        return cls(torch.cat([m.weight_int8 for m in layers]), torch.cat([m.scale for m in layers]),
+                   layers[0].inv_smooth, torch.cat([m.bias for m in layers]))
+
+    def split(self, sizes: list[int]) -> list["Int8Linear"]:
+        """The layer cut along its outputs into layers of `sizes` outputs each; `concat`'s inverse."""
+        parts = zip(*(t.split(sizes) for t in (self.weight_int8, self.scale, self.bias)))
+        return [Int8Linear(w, s.contiguous(), self.inv_smooth, b.contiguous()) for w, s, b in parts]
 
     def forward(self, x):  # (..., in) float32 -> (..., out)
         x = x * self.inv_smooth
@@ -147,29 +173,50 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def encoder_linears(model: nn.Module, kind: type = nn.Linear) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, attribute, layer) for every `kind` (nn.Linear, Int8Linear) inside the encoder layers."""
-    base = getattr(model, model.base_model_prefix, model) if hasattr(model, "base_model_prefix") else model
-    return [(parent, name, child) for parent in base.layers.modules() for name, child in parent.named_children()
-            if isinstance(child, kind)]
+def layer_sites(layer: nn.Module) -> list[tuple[list[nn.Module], list[tuple[nn.Module, str]]]]:
+    """A layer's products, each as (its nn.Linear layers, where they sit): query, key and value (one input, one
+    product), the attention output's, the feed-forward's two."""
+    attention = layer.attention.self
+    qkv = [(attention, name) for name in ("query", "key", "value")]
+    others = [[(layer.attention.output, "dense")], [(layer.intermediate, "dense")], [(layer.output, "dense")]]
+    return [([getattr(p, n) for p, n in places], places) for places in [qkv, *others]]
 
 
 @torch.no_grad()
 def quantize_for_inference(model: nn.Module, calibration) -> nn.Module:
-    """Make `model` (any bert-impl head, on CPU in float32) an int8 inference model, in place; returns it.
+    """An int8 inference model of `model` (any bert-impl head, on CPU in float32; the model itself is not changed).
 
     `calibration`: an iterable of model inputs (dicts as a tokenizer returns them, e.g. `tokenizer(texts,
     padding=True, return_tensors="pt")`) of real text like the model will see; a few hundred sentences are plenty. The
-    model runs on them once, in float32, to find each layer's input range and second moments (for `gptq_round`; they
-    take in x in floats per layer until its weight is rounded: 67 MB for all-MiniLM-L6-v2, 0.54 GB for BERT-base). On
-    all-MiniLM-L6-v2, 256 paragraphs of up to 256 tokens, 2 threads: 9 s in all. The rest of the model gets
-    `optimize_for_inference`."""
-    optimize_for_inference(model)
-    targets = encoder_linears(model)
+    copy runs on them once, in float32, to find each product's input range and second moments (for `gptq_round`; they
+    take in x in floats per product until its weight is rounded: 67 MB for all-MiniLM-L6-v2, 0.54 GB for BERT-base).
+    The rest of the model gets `optimize_for_inference`'s packed weights."""
+    frozen = inference_copy(model, "quantize_for_inference")
+    encoder = getattr(base_of(frozen), "encoder", None)
+    targets = encoder_linears(encoder) if encoder is not None else []
     if not targets:
         raise ValueError(f"model: {type(model).__name__} has no encoder linear layers to quantize")
     if any(layer.weight.device.type != "cpu" or layer.weight.dtype != torch.float32 for _, _, layer in targets):
         raise ValueError("model: int8 inference runs on CPU in float32; move the model with `.float().cpu()` first")
+    sites = [site for layer in encoder.layer for site in layer_sites(layer)]
+    input_max, moments = calibrate(frozen, [linears[0] for linears, _ in sites], calibration)
+    products = []
+    for linears, places in sites:
+        first = linears[0]
+        weight, bias = (torch.cat([getattr(m, name) for m in linears]) for name in ("weight", "bias"))
+        joint = Int8Linear.quantize(weight, bias, input_max[first], input_moments=moments.pop(first))
+        parts = joint.split([m.out_features for m in linears]) if len(linears) > 1 else [joint]
+        for (parent, name), part in zip(places, parts):
+            setattr(parent, name, part)
+        products.append(ModuleProduct(joint if len(linears) > 1 else parts[0]))
+    pack_linears(frozen.eval())  # the new layers in eval mode too; the pooler and the heads packed
+    fuse_encoder(encoder, [LayerProducts(*products[i:i + 4]) for i in range(0, len(products), 4)])
+    return frozen
+
+
+def calibrate(model: nn.Module, layers: list[nn.Module], calibration) -> tuple[dict, dict]:
+    """Run `model` on the calibration inputs, recording for each of `layers` its inputs' largest |x_c| (in,) and
+    second moments x^T x (in, in)."""
     input_max, moments = {}, {}
 
     def record(layer, args):
@@ -178,15 +225,13 @@ def quantize_for_inference(model: nn.Module, calibration) -> nn.Module:
         input_max[layer] = largest if layer not in input_max else torch.maximum(input_max[layer], largest)
         moments[layer] = x.T @ x if layer not in moments else moments[layer].addmm_(x.T, x)  # (in, in)
 
-    hooks = [layer.register_forward_pre_hook(record) for _, _, layer in targets]
+    hooks = [layer.register_forward_pre_hook(record) for layer in layers]
     try:
         for inputs in calibration:
             model(**inputs)
     finally:
         for hook in hooks:
             hook.remove()
-    if len(input_max) != len(targets):
+    if len(input_max) != len(layers):
         raise ValueError("calibration: no batches, or batches that did not reach every encoder layer")
-    for parent, name, layer in targets:
-        setattr(parent, name, Int8Linear(layer, input_max[layer], input_moments=moments.pop(layer)))
-    return model
+    return input_max, moments

@@ -9,26 +9,21 @@ What such a model is:
 - our class (`isinstance(model, BertImplForSequenceClassification)`), carrying the stock `BertConfig` it was given
   (model_type "bert"), to which two fields of ours are added when absent: `unpad_inputs=True` (the padding-free
   encoder) and `sparse_prediction=False` (stock BERT's output contract: full (B, T, V) MLM logits with labels);
-- saved in the stock format: `save_pretrained` / `push_to_hub` write stock key names, `architectures` naming the
-  stock class, no fields, code files or `auto_map` of ours, so the folder still loads in plain transformers;
+- saved in the stock format: `save_pretrained` / `push_to_hub` write the (stock) parameter names, `architectures`
+  naming the stock class, no fields, code files or `auto_map` of ours, so the folder still loads in plain
+  transformers;
 - a stock config that bert-impl does not implement (`is_decoder`, cross-attention, relative position embeddings)
   still gets transformers' class.
 
 Our own `bert_impl` folders are untouched by the call (they load into our classes either way).
 """
 
-import json
-import os
-
-import torch
 from transformers import BertConfig, PreTrainedModel
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.utils import logging
 
-from .modeling_bert_impl import AUTO_CLASSES, STOCK_QKV, STOCK_TO_OURS, checkpoint_conversion
-from .peft_support import extend_stock_bert_defaults
+from ..modeling_bert_impl import AUTO_CLASSES, stock_name, write_stock_config
 
 logger = logging.get_logger(__name__)
 
@@ -43,40 +38,6 @@ def implements(config) -> bool:
         and not getattr(config, "add_cross_attention", False)
         and getattr(config, "position_embedding_type", "absolute") == "absolute"
     )
-
-
-def stock_to_our_names(state_dict: dict) -> dict:
-    """A state dict under stock BERT key names -> the same tensors under ours (`STOCK_TO_OURS`, then query/key/value
-    concatenated into `attn.qkv`); keys already ours pass through. What transformers' loader does, for callers that
-    load a state dict themselves (Trainer's best-model and resume)."""
-    out, qkv = {}, {}
-    for key, value in state_dict.items():
-        for source, target in STOCK_TO_OURS:
-            key = key.replace(source, target)
-        part = next((i for i, name in enumerate(STOCK_QKV) if f".{name}." in f".{key}"), None)
-        if part is None:
-            out.setdefault(key, value)  # the stock MLM bias is also stored as the decoder's: keep the first
-        else:
-            qkv.setdefault(key.replace(STOCK_QKV[part], "attn.qkv"), {})[part] = value
-    for key, parts in qkv.items():
-        if sorted(parts) != [0, 1, 2]:
-            raise ValueError(f"{key}: the state dict has only some of query/key/value ({sorted(parts)})")
-        out[key] = torch.cat([parts[i] for i in range(3)])
-    return out
-
-
-def _write_stock_config(folder: str, stock_name: str) -> None:
-    """config.json in `folder` as plain transformers writes it for `stock_name`: no fields of ours."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        config = json.load(f)
-    for key in (*STOCK_CONFIG_DEFAULTS, "auto_map"):
-        config.pop(key, None)
-    config["architectures"] = [stock_name]
-    with open(path, "w") as f:
-        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 class _OnStockConfig:
@@ -112,29 +73,21 @@ class _OnStockConfig:
         return super()._from_config(config, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """The stock format, always: stock key names and config (see the module docstring)."""
-        kwargs["save_original_format"] = True
+        """The stock format, always: a stock config (see the module docstring); the weights' names are stock's."""
         PreTrainedModel.save_pretrained(self, save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
-            _write_stock_config(str(save_directory), self.stock_name)
+            write_stock_config(str(save_directory), self.stock_name)
 
     def _upload_modified_files(self, working_dir, *args, **kwargs):
         # push_to_hub uploads from inside save_pretrained: fix the config first; transformers' card, not ours.
-        _write_stock_config(str(working_dir), self.stock_name)
+        write_stock_config(str(working_dir), self.stock_name)
         return PreTrainedModel._upload_modified_files(self, working_dir, *args, **kwargs)
-
-    def load_state_dict(self, state_dict, *args, **kwargs):
-        """Accepts stock key names too: Trainer reloads the (stock-format) checkpoints it saved this way."""
-        return super().load_state_dict(stock_to_our_names(state_dict), *args, **kwargs)
 
 
 def _on_stock_config(ours: type) -> type:
     name = f"{ours.__name__}OnBertConfig"
-    stock_name = ours.__name__.replace("BertImpl", "Bert", 1)
-    cls = type(name, (_OnStockConfig, ours), {"stock_name": stock_name, "__module__": __name__, "__qualname__": name})
-    # Load stock keys into our names (and save them back) for this class as for model_type "bert_impl".
-    register_checkpoint_conversion_mapping(name, checkpoint_conversion(), overwrite=True)
-    return cls
+    return type(name, (_OnStockConfig, ours), {"stock_name": stock_name(ours), "__module__": __name__,
+                                               "__qualname__": name})
 
 
 # stock class name -> the class patched Auto classes build for it
@@ -159,12 +112,11 @@ def _auto_classes_with_our_heads():
 def apply_bert_impl() -> None:
     """Make transformers' Auto classes (and so pipelines, sentence-transformers, PEFT) build bert-impl for stock BERT
     checkpoints, with the same outputs. Idempotent; `revert_bert_impl()` undoes it. Models saved afterwards are in
-    the stock format. With peft installed, its default `target_modules` for "bert" gain our module names."""
+    the stock format."""
     for auto, cls in _auto_classes_with_our_heads():
         if auto not in _saved:
             _saved[auto] = auto._model_mapping._extra_content.get(BertConfig)
         auto.register(BertConfig, cls, exist_ok=True)
-    extend_stock_bert_defaults(True)
 
 
 def revert_bert_impl() -> None:
@@ -175,4 +127,3 @@ def revert_bert_impl() -> None:
         else:
             auto._model_mapping._extra_content[BertConfig] = previous
     _saved.clear()
-    extend_stock_bert_defaults(False)

@@ -22,21 +22,10 @@ from collections.abc import Mapping, Sequence
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from .modeling_bert_impl import AUTO_CLASSES
+from ..modeling_bert_impl import AUTO_CLASSES, stock_name
+from .tasks import PIPELINE_TAGS, auto_class_of
 
 TAGS = ["bert", "bert_impl"]
-
-# Auto class -> the Hub's pipeline tag for that head (None: the Hub has no task for it).
-PIPELINE_TAGS = {
-    "AutoModel": "feature-extraction",
-    "AutoModelForPreTraining": "fill-mask",
-    "AutoModelForMaskedLM": "fill-mask",
-    "AutoModelForNextSentencePrediction": None,
-    "AutoModelForSequenceClassification": "text-classification",
-    "AutoModelForTokenClassification": "token-classification",
-    "AutoModelForQuestionAnswering": "question-answering",
-    "AutoModelForMultipleChoice": "multiple-choice",
-}
 
 # Auto class -> the lines of the usage snippet after loading `tokenizer` and `model`.
 _MASKED_LM = """\
@@ -90,15 +79,17 @@ _SPLITS = {"eval": "validation", "test": "test", "predict": "test"}
 
 
 def head_of(model_or_config: PreTrainedModel | PreTrainedConfig) -> str:
-    """The Auto class that loads this model's head: from the model's class, or the config's `architectures`."""
+    """The Auto class that loads this model's head: from the model's class, or the config's `architectures` (our
+    class names or stock BERT's)."""
     if isinstance(model_or_config, PreTrainedModel):
         name = type(model_or_config).__name__
     else:
         name = (getattr(model_or_config, "architectures", None) or ["BertImplModel"])[0]
-    by_name = {cls.__name__: auto for auto, cls in AUTO_CLASSES.items()}
-    if name not in by_name:
-        raise ValueError(f"{name} is not a bert-impl head; expected one of {', '.join(by_name)}")
-    return by_name[name]
+    auto = auto_class_of(name)
+    if auto is None:
+        names = ", ".join(cls.__name__ for cls in AUTO_CLASSES.values())
+        raise ValueError(f"{name} is not a bert-impl head; expected one of {names}")
+    return auto
 
 
 def usage_snippet(model_or_config: PreTrainedModel | PreTrainedConfig, repo_id: str, installed: bool = False) -> str:
@@ -195,7 +186,7 @@ def model_card(
         eval_results=results or None,
     )
 
-    head = AUTO_CLASSES[auto].__name__
+    head, stock = AUTO_CLASSES[auto].__name__, stock_name(AUTO_CLASSES[auto])
     about = f"A BERT encoder with the `{head}` head"
     if base_model:
         about += f", fine-tuned from [`{base_model}`](https://huggingface.co/{base_model})"
@@ -211,8 +202,9 @@ def model_card(
     sections = [
         f"# {name}",
         about + ". It runs on bert-impl, a from-scratch PyTorch BERT that loads with 🤗 transformers' Auto classes. "
-        "The weights are stored under bert-impl's own parameter names; for transformers' own BERT classes, load the "
-        "model with bert-impl and write a copy with stock BERT names: `model.save_stock_pretrained(folder)`.",
+        f"The weights carry stock BERT's parameter names, so transformers' own `{stock}` loads them as they are "
+        "(`from_pretrained` on this repository); `model.save_stock_pretrained(folder)` writes a copy whose config is "
+        "stock BERT's too.",
         "## Model\n\n" + _table(sizes.keys(), [sizes.values()]),
     ]
     if auto in ("AutoModelForSequenceClassification", "AutoModelForTokenClassification") and config.id2label:

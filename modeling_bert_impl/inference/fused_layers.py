@@ -1,0 +1,147 @@
+"""The encoder's layers in one pass for CPU inference: what ONNX Runtime's fused Attention, SkipLayerNorm and BiasGelu
+kernels do for it, in eager PyTorch.
+
+A single short query leaves the products little to do: what costs is Python and the small operations around the
+products (a dozen module calls per layer, dropout, transformers' attention wrapper, reshapes), each slower than it
+looks because the products before it have streamed the weights through the caches. `fused_layer` is a layer's
+arithmetic with less of that: one product for query, key and value (their weights concatenated when the inference
+model is made), no module calls, the residual sums inside the products (oneDNN's binary post-op), the GELU inside the
+first feed-forward product (on AVX-512: `packed_linear.fuse_gelu`), attention in one call of torch's kernel.
+
+`FusedEncoder` is the encoder of an inference model: it runs its layers that way wherever that computes what the
+layers would (CPU float32 inference, no padding mask to apply: a dense batch, or the padding-free layout; no hidden
+states or attention maps asked for; nothing hooked or replaced since it was made), a dense batch a group of sequences
+at a time (`fused_encoder`), and calls the layers as modules everywhere else. Outputs equal the layers' own to
+float32 rounding (tests/test_serving.py).
+"""
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutput
+
+from ..modeling_bert_impl import BertImplEncoder
+from .frozen_model import InferenceModule, ModuleTree
+from .packed_linear import Frozen, cpu_inference, packed_product
+
+UNMASKED_ATTENTION = ("sdpa", "eager")  # attention implementations whose arithmetic, with no mask, is softmax(q k^T) v
+# Tokens a dense batch's group of sequences may hold on its way through all the layers (`fused_encoder`): a group's
+# activations (its feed-forward's 2048 x 1536 floats: 12 MB) and a layer's weights then stay in a 32 MB L3 cache
+CHUNK_TOKENS = 2048
+
+
+class PackedProduct(NamedTuple):
+    """activation(x W^T + b) (+ residual) on W packed (packed_linear.pack)."""
+
+    weight: Frozen
+    bias: torch.Tensor | None
+
+    def __call__(self, x, activation=None, residual=None):
+        return packed_product(x, self.weight.value, self.bias, activation, residual)
+
+
+class ModuleProduct(NamedTuple):
+    """activation(module(x)) (+ residual): a product of a module's own (int8 layers)."""
+
+    module: nn.Module
+
+    def __call__(self, x, activation=None, residual=None):
+        y = self.module(x)
+        y = y if activation is None else activation(y)
+        return y if residual is None else y + residual
+
+
+class LayerProducts(NamedTuple):
+    """A layer's four products: query, key and value in one (..., H) -> (..., 3H), the attention output's, the
+    feed-forward's two."""
+
+    qkv: Callable
+    out: Callable
+    up: Callable
+    down: Callable
+
+
+def packed_products(layer: nn.Module) -> LayerProducts:
+    """The products of a layer whose linear layers are PackedLinear (packed_linear.py), query, key and value
+    concatenated and packed once."""
+    attention = layer.attention.self
+    projections = (attention.query, attention.key, attention.value)
+    weight = torch.cat([p.weight.detach() for p in projections])  # (3H, H)
+    bias = torch.cat([p.bias.detach() for p in projections])  # (3H,)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    linears = (layer.attention.output.dense, layer.intermediate.dense, layer.output.dense)
+    others = (PackedProduct(m.packed.packed, m.bias) for m in linears)
+    return LayerProducts(PackedProduct(Frozen(packed), bias), *others)
+
+
+class FusedEncoder(InferenceModule, BertImplEncoder):
+    """An inference model's encoder (made by swapping a BertImplEncoder's class, `fuse_encoder`): its layers through
+    `fused_encoder` where that computes what they would, as modules elsewhere."""
+
+    products: list[LayerProducts]
+    tree: ModuleTree
+
+    def forward(self, hidden_states, attention_mask=None, layout=None, padding=None, output_hidden_states=False,
+                **kwargs) -> BaseModelOutput:
+        if not self.fusable(hidden_states, attention_mask, padding, output_hidden_states, kwargs):
+            return super().forward(hidden_states, attention_mask, layout=layout, padding=padding,
+                                   output_hidden_states=output_hidden_states, **kwargs)
+        x = layout.unpad(hidden_states) if layout is not None else hidden_states  # (P, H) or (B, T, H)
+        x = fused_encoder(self.layer, x, self.products, layout)
+        return BaseModelOutput(last_hidden_state=layout.repad(x) if layout is not None else x)  # (B, T, H)
+
+    def fusable(self, x, attention_mask, padding, output_hidden_states, kwargs) -> bool:
+        """No mask to apply (a dense batch, or the padding-free layout), no hidden states or attention maps asked for,
+        an attention implementation whose arithmetic is `fused_layer`'s, CPU float32 inference, and the modules as
+        they were made (`ModuleTree`)."""
+        return (attention_mask is None and padding is None and not output_hidden_states
+                and not kwargs.get("output_attentions") and self.config._attn_implementation in UNMASKED_ATTENTION
+                and cpu_inference(x) and self.tree.unchanged())
+
+
+def fuse_encoder(encoder: BertImplEncoder, products: list[LayerProducts]) -> None:
+    """Make `encoder` a FusedEncoder running `products` (one LayerProducts per layer), in place."""
+    encoder.__class__ = FusedEncoder
+    encoder.products = products
+    encoder.tree = ModuleTree(encoder)
+
+
+def group_size(T: int) -> int:
+    """How many sequences of T tokens a dense batch's group holds: CHUNK_TOKENS // T, at least one."""
+    return max(1, CHUNK_TOKENS // T)
+
+
+def fused_encoder(layers, x: torch.Tensor, products: list[LayerProducts], layout=None) -> torch.Tensor:
+    """`fused_layer` of each of `layers` in turn. A dense batch x (B, T, H) of more than CHUNK_TOKENS tokens goes
+    through all of them a group of `group_size(T)` sequences at a time (attention never crosses sequences), each
+    product's inputs and outputs staying in the cache."""
+    if layout is None and x.shape[0] > group_size(x.shape[1]):  # (B, T, H) -> groups (group, T, H)
+        return torch.cat([fused_encoder(layers, part, products) for part in x.split(group_size(x.shape[1]))])
+    for layer, layer_products in zip(layers, products):
+        x = fused_layer(layer, x, layer_products, layout)
+    return x
+
+
+def fused_layer(layer, x: torch.Tensor, products: LayerProducts, layout=None) -> torch.Tensor:
+    """`layer(x, layout=layout)` in inference: x (B, T, H) with no padding, or (P, H) on an unpadded `layout`."""
+    attention = layer.attention.self
+    heads, scaling = attention.num_attention_heads, attention.scaling
+    qkv = products.qkv(x)  # (..., 3H)
+    if layout is None:
+        y = dense_attention(qkv, heads, scaling)  # (B, T, H)
+    else:
+        q, k, v = qkv.unflatten(-1, (3, heads, attention.attention_head_size)).unbind(1)  # each (P, N, D)
+        y = layout.attend(q, k, v, scaling, 0.0).flatten(-2)  # (P, H)
+    # the norms' own forward, without the module call (the ModuleTree saw no hooks on them)
+    x = layer.attention.output.LayerNorm.forward(products.out(y, residual=x))
+    h = products.up(x, layer.intermediate.intermediate_act_fn)
+    return layer.output.LayerNorm.forward(products.down(h, residual=x))
+
+
+def dense_attention(qkv: torch.Tensor, num_heads: int, scaling: float) -> torch.Tensor:
+    """softmax(q k^T * scaling) v per sequence and head, no mask: qkv (B, T, 3H) -> (B, T, H)."""
+    B, T, H3 = qkv.shape
+    q, k, v = qkv.view(B, T, 3, num_heads, H3 // (3 * num_heads)).permute(2, 0, 3, 1, 4)  # each (B, N, T, D)
+    return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2).reshape(B, T, H3 // 3)

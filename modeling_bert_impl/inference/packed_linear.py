@@ -1,0 +1,109 @@
+"""Linear layers on oneDNN's packed weights, for CPU inference models (`optimize_for_inference`).
+
+Where there is no padding to skip (batch 1, dense batches), the encoder's time on CPU is mostly its linear layers, which
+`F.linear` runs at 1.4x-1.7x the time of the same products with their weights laid out once in oneDNN's blocked format.
+An inference model's weights are fixed when it is made, so each weight is packed once, then: `PackedLinear` holds its
+packed copy, and the fused layers (fused_layers.py) call `packed_product` on them. The packed copy costs one more copy
+of the weight (all-MiniLM-L6-v2's encoder: 10.6M floats, 42 MB).
+
+`activation` is applied to the output and `residual` added to it; the residual sum runs inside the same oneDNN call,
+and so does the exact (erf) GELU that the feed-forward block's first product asks for, on a CPU with AVX-512
+(`fuse_gelu`).
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import GELUActivation
+
+ONEDNN = torch.backends.mkldnn.is_available()
+
+
+class Frozen:
+    """What an inference model computes from, made once at the engine's call and never changed: packed weights (which
+    cannot be copied: oneDNN's layout has no storage), compiled programs. A copy of the model shares it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def is_exact_gelu(act) -> bool:
+    return act is F.gelu or (type(act) is GELUActivation and act.act is F.gelu)
+
+
+def fuse_gelu() -> bool:
+    """Whether the exact GELU runs inside the product's oneDNN call: on a CPU with AVX-512. oneDNN's AVX2 GELU post-op
+    is slower than the product followed by torch's GELU."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def packable_weight(weight: torch.Tensor) -> bool:
+    """A float32 CPU weight, with a torch built with oneDNN."""
+    return ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def untraced_inference() -> bool:
+    """No gradient is wanted, no autocast, not traced (`torch.compile` / `torch.export`, and TorchScript's tracer, as
+    `torch.onnx.export(dynamo=False)` runs it: its graph would hold oneDNN's own ops)."""
+    return not torch.is_grad_enabled() and untraced()
+
+
+def untraced() -> bool:
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not torch.is_autocast_enabled("cpu"))
+
+
+def cpu_inference(x: torch.Tensor) -> bool:
+    """x is float32 on CPU, needs no gradient, and nothing traces or autocasts: the packed products may run on it."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and untraced()
+
+
+def pack(weight: torch.Tensor) -> Frozen:
+    """`weight` (out, in) in oneDNN's layout."""
+    return Frozen(torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()))
+
+
+class PackedWeight(NamedTuple):
+    packed: Frozen  # `pack(weight)`
+    weight: torch.Tensor  # the parameter it was packed from (a copy of the model holds its own)
+
+
+def packed_product(x, packed: torch.Tensor, bias, activation=None, residual=None):
+    """activation(x W^T + b) (+ residual) with W packed by `pack`. (..., in) -> (..., out)"""
+    fused = activation is not None and is_exact_gelu(activation) and fuse_gelu()
+    if residual is not None and activation is None:  # the residual sum inside the same oneDNN call
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+    # "gelu" with algorithm "none": oneDNN's erf GELU (not the tanh approximation)
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu" if fused else "none", [], "none" if fused else "")
+    y = y if fused or activation is None else activation(y)
+    return y if residual is None else y + residual
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear of an inference model, with its weight packed at the engine's call (`packed`); the product runs on
+    it in CPU float32 inference, and as `F.linear` elsewhere (traced, autocast, gradients, another dtype or device, a
+    weight parameter replaced). Made by swapping an nn.Linear's class (`pack_linears`): parameters, hooks and tied
+    weights stay."""
+
+    packed: PackedWeight
+
+    def forward(self, x):
+        packed = self.packed
+        if packed.weight is self.weight and cpu_inference(x) and packable_weight(self.weight):
+            return packed_product(x, packed.packed.value, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(model: nn.Module) -> None:
+    """Every plain nn.Linear of `model` with a packable weight becomes a PackedLinear, in place."""
+    for module in model.modules():
+        if type(module) is nn.Linear and packable_weight(module.weight):
+            module.__class__ = PackedLinear
+            module.packed = PackedWeight(pack(module.weight), module.weight)

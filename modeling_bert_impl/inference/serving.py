@@ -1,0 +1,52 @@
+"""`optimize_for_inference(model)`: an inference model for CPU serving, float32, nothing compiled.
+
+It is a copy of the model (frozen_model.py), with the same module names and state dict, whose linear layers hold their
+weights packed in oneDNN's layout (packed_linear.py) and whose encoder runs its layers fused (fused_layers.py), query,
+key and value in one product. All of it is made once, at the call, from the weights the model has then: the model
+given stays plain and trainable, and changing it afterwards never changes the inference model's answers (call
+`optimize_for_inference` again for the new weights). Memory: the copy, and one more packed copy of the linear weights.
+"""
+
+from torch import nn
+
+from .frozen_model import inference_copy
+from .fused_layers import fuse_encoder, packed_products
+from .packed_linear import PackedLinear, pack_linears
+
+
+def base_of(model: nn.Module) -> nn.Module:
+    """The bert-impl encoder model inside `model` (itself, or a head's `bert`)."""
+    return getattr(model, "base_model", model)
+
+
+def optimize_for_inference(model: nn.Module) -> nn.Module:
+    """An inference model of `model` (any bert-impl head; the model itself is not changed), in eval mode, refusing
+    training with a ValueError.
+
+    Its CPU float32 `nn.Linear` layers become `PackedLinear` (their weights packed now), and where every linear layer of
+    the encoder did, the encoder becomes a `FusedEncoder`. Layers it cannot pack (GPU, other dtypes, a torch without
+    oneDNN) stay as they are, and run as in the model given."""
+    return optimize_copy(inference_copy(model, "optimize_for_inference"))
+
+
+def optimize_copy(model: nn.Module) -> nn.Module:
+    """`optimize_for_inference`'s changes made to `model`, an inference copy, in place; returns it."""
+    pack_linears(model)
+    encoder = getattr(base_of(model), "encoder", None)
+    if encoder is not None and all(map(packed_layer, encoder.layer)):
+        fuse_encoder(encoder, [packed_products(layer) for layer in encoder.layer])
+    return model
+
+
+def packed_layer(layer: nn.Module) -> bool:
+    """Whether every product of `layer` is a PackedLinear (not int8, not replaced)."""
+    attention = layer.attention.self
+    linears = (attention.query, attention.key, attention.value, layer.attention.output.dense, layer.intermediate.dense,
+               layer.output.dense)
+    return all(type(linear) is PackedLinear for linear in linears)
+
+
+def encoder_linears(encoder: nn.Module, kind: type = nn.Linear) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, layer) for every `kind` (nn.Linear, Int8Linear) inside the encoder's layers."""
+    return [(parent, name, child) for parent in encoder.layer.modules() for name, child in parent.named_children()
+            if isinstance(child, kind)]

@@ -1,0 +1,485 @@
+"""Code that reaches inside the model works as on stock BERT: the module tree and parameter names are transformers'
+(`bert.encoder.layer[i].attention.self.query`, ...), so state dicts, freezing, layer-wise learning rates, forward hooks,
+captum's layer attributions and FSDP2 see what they see on transformers' BertForX. References: transformers' own
+BERT on the same weights (the real MiniLM checkpoint, or small random models saved by transformers), in this process.
+
+Also the issue's silent wrong answers, each with the input that gave it: one row with no attention mask and
+position_ids all zeros (captum's baseline call), and packs marked only by `seq_idx` or `cu_seq_lens_q`; and the folders
+saved under bert-impl's old parameter names (tests/fixtures/legacy_names), which load with their stored outputs.
+
+The layout rule (the model file's docstring): a layer sees stock's (B, T, H) wherever the batch has no padding; on a
+padded batch the padding-free (P, H) rows by default, stock's (B, T, H) with `config.unpad_inputs=False`. The
+embeddings return (B, T, H) always."""
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
+
+import modeling_bert_impl as bi
+from modeling_bert_impl.modeling_bert_impl import stock_name
+
+captum_attr = pytest.importorskip("captum.attr")
+
+TOL = 1e-5
+SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=37,
+             max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Short.",
+    "BERT reads text in both directions at once, which is what makes it a good encoder for retrieval.",
+    "A fourth sentence of middling length.",
+]
+LEGACY = Path(__file__).parent / "fixtures" / "legacy_names"
+
+
+def max_diff(a, b) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def stock_class(ours: type) -> type:
+    """transformers' class of the same head: BertImplForMaskedLM -> transformers.BertForMaskedLM."""
+    return getattr(transformers, stock_name(ours))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models: MiniLM with a seeded classifier (stock folder), ours loaded from our own folder, and ours through the patch
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stock_dir(minilm_dir, tmp_path_factory):
+    """MiniLM (L=6, H=384) with a seeded classification head (std 0.1, logits of order 1), saved by transformers."""
+    folder = tmp_path_factory.mktemp("minilm-classifier")
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification.from_pretrained(minilm_dir, num_labels=2)
+    torch.nn.init.normal_(model.classifier.weight, std=0.1)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def our_dir(stock_dir, tmp_path_factory):
+    """The same model saved by bert-impl (config model_type "bert_impl", code files, stock parameter names)."""
+    folder = tmp_path_factory.mktemp("ours")
+    bi.BertImplForSequenceClassification.from_pretrained(stock_dir).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stock_dir):
+    return AutoTokenizer.from_pretrained(stock_dir)
+
+
+def load(kind: str, stock_dir: str, our_dir: str):
+    """A fresh model in eval mode: "stock" (transformers'), "ours" (our class on our folder) or "patched"
+    (AutoModelForSequenceClassification on the stock folder after apply_bert_impl())."""
+    if kind == "stock":
+        return transformers.BertForSequenceClassification.from_pretrained(stock_dir).eval()
+    if kind == "ours":
+        return bi.BertImplForSequenceClassification.from_pretrained(our_dir).eval()
+    bi.apply_bert_impl()
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(stock_dir).eval()
+    finally:
+        bi.revert_bert_impl()
+    assert isinstance(model, bi.BertImplForSequenceClassification)
+    return model
+
+
+OURS = ["ours", "patched"]
+
+
+@pytest.fixture(scope="module")
+def padded(tokenizer):
+    """The four sentences as one right-padded batch (lengths 6 to 22 tokens)."""
+    return dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+
+
+@pytest.fixture(scope="module")
+def one(tokenizer):
+    """The first sentence alone: no padding."""
+    return dict(tokenizer(SENTENCES[0], return_tensors="pt"))
+
+
+@contextlib.contextmanager
+def first_layer_inputs(model):
+    """Records the number of dims of what `bert.encoder.layer[0]` is given: 2 on the padding-free path (P, H), 3 on
+    the padded one (B, T, H)."""
+    seen = set()
+    handle = model.bert.encoder.layer[0].register_forward_hook(lambda m, args, out: seen.add(args[0].dim()))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Names: state dicts, named modules, folders both ways, for all 8 heads
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ours", list(bi.AUTO_CLASSES.values()), ids=lambda cls: cls.__name__)
+def test_state_dict_and_module_names_are_stock_and_folders_load_both_ways(ours, tmp_path):
+    torch.manual_seed(0)
+    stock = stock_class(ours)(BertConfig(**SMALL))
+    model = ours(bi.BertImplConfig(**SMALL))
+    assert list(model.state_dict()) == list(stock.state_dict())
+    assert [name for name, _ in model.named_modules()] == [name for name, _ in stock.named_modules()]
+    assert [name for name, _ in model.named_parameters()] == [name for name, _ in stock.named_parameters()]
+
+    stock.save_pretrained(tmp_path / "stock")
+    model.save_pretrained(tmp_path / "ours")
+    assert load_file(tmp_path / "ours" / "model.safetensors").keys() == load_file(
+        tmp_path / "stock" / "model.safetensors").keys()
+    stock_on_ours, info = stock_class(ours).from_pretrained(tmp_path / "ours", output_loading_info=True)
+    assert not any(info.values()), info  # missing, unexpected, mismatched keys, errors: none
+    ours_on_stock, info = ours.from_pretrained(tmp_path / "stock", output_loading_info=True)
+    assert not any(info.values()), info
+    for loaded, source in ((stock_on_ours, model), (ours_on_stock, stock)):
+        expected = source.state_dict()
+        assert all(torch.equal(tensor, expected[name]) for name, tensor in loaded.state_dict().items())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training code written against stock names
+# ---------------------------------------------------------------------------------------------------------------------
+def small_pair(tmp_path):
+    """transformers' BertForSequenceClassification (random, seeded) and ours on its folder."""
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(BertConfig(**SMALL)).save_pretrained(tmp_path / "small")
+    return (transformers.BertForSequenceClassification.from_pretrained(tmp_path / "small"),
+            bi.BertImplForSequenceClassification.from_pretrained(tmp_path / "small"))
+
+
+def small_batch():
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.arange(9) < torch.tensor([9, 5, 7, 3])[:, None]).long()
+    return {"input_ids": torch.randint(1, 99, (4, 9), generator=g) * mask, "attention_mask": mask,
+            "labels": torch.tensor([0, 1, 1, 0])}
+
+
+def test_freezing_lower_layers_trains_the_same_parameters(tmp_path):
+    """`model.bert.encoder.layer[:k].requires_grad_(False)` then one AdamW step: the same parameter names change."""
+    changed = {}
+    for model in small_pair(tmp_path):
+        model.bert.encoder.layer[:2].requires_grad_(False)
+        model.train()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model(**small_batch()).loss.backward()
+        optimizer.step()
+        changed[type(model).__name__] = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    stock, ours = changed.values()
+    assert ours == stock
+    assert any(n.startswith("bert.encoder.layer.2.") for n in ours) and "classifier.weight" in ours
+    assert not any(n.startswith(("bert.encoder.layer.0.", "bert.encoder.layer.1.")) for n in ours)
+
+
+def llrd_groups(model, lr: float = 1e-3, decay: float = 0.8) -> list[tuple[float, list[str]]]:
+    """Layer-wise learning-rate decay as public recipes build it from stock BERT's names: layer i at
+    lr * decay ** (L - i), the embeddings one step lower, the pooler and head at lr."""
+    layers = model.config.num_hidden_layers
+    groups = {}
+    for name, _ in model.named_parameters():
+        if ".embeddings." in name:
+            scale = decay ** (layers + 1)
+        elif ".encoder.layer." in name:
+            scale = decay ** (layers - int(name.split(".encoder.layer.")[1].split(".")[0]))
+        else:
+            scale = 1.0
+        groups.setdefault(lr * scale, []).append(name)
+    return sorted(groups.items())
+
+
+def test_layerwise_lr_decay_groups_from_stock_names(tmp_path):
+    stock, ours = small_pair(tmp_path)
+    groups = llrd_groups(ours)
+    assert groups == llrd_groups(stock)
+    assert len(groups) == SMALL["num_hidden_layers"] + 2  # every layer, the embeddings and the rest
+    params = dict(ours.named_parameters())
+    optimizer = torch.optim.AdamW([{"params": [params[n] for n in names], "lr": lr} for lr, names in groups])
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(params)
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_hooks_on_layer_outputs_and_the_embeddings_see_stock_tensors(kind, stock_dir, our_dir, one):
+    """A forward hook on `bert.encoder.layer[i].output` sees stock's (1, T, H) tensor on one sentence (every i), and
+    `bert.embeddings(input_ids)` alone gives stock's."""
+    models = {"stock": load("stock", stock_dir, our_dir), kind: load(kind, stock_dir, our_dir)}
+    seen = {}
+    for name, model in models.items():
+        for i, layer in enumerate(model.bert.encoder.layer):
+            layer.output.register_forward_hook(lambda m, args, out, key=(name, i): seen.__setitem__(key, out))
+        with torch.no_grad():
+            model(**one)
+            seen[name, "embeddings"] = model.bert.embeddings(one["input_ids"])
+    layers = len(models["stock"].bert.encoder.layer)
+    for key in [*range(layers), "embeddings"]:
+        assert seen[kind, key].shape == seen["stock", key].shape == (1, one["input_ids"].shape[1], 384), key
+        assert max_diff(seen[kind, key], seen["stock", key]) < TOL, key
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# captum
+# ---------------------------------------------------------------------------------------------------------------------
+def positive_logit(model):
+    """captum's forward function: the class-1 logit of each row."""
+    return lambda input_ids, attention_mask=None: model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 1]
+
+
+def positive_logit_of_embeddings(model):
+    """The same from word embeddings (LayerConductance interpolates the inputs themselves: they must be floats)."""
+    return lambda embeds, attention_mask=None: model(inputs_embeds=embeds, attention_mask=attention_mask).logits[:, 1]
+
+
+def reference_ids(input_ids, tokenizer):
+    """captum's usual baseline: [CLS], then [PAD] everywhere else."""
+    ref = torch.full_like(input_ids, tokenizer.pad_token_id)
+    ref[:, 0] = tokenizer.cls_token_id
+    return ref
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_captum_integrated_gradients_on_the_embeddings_of_a_padded_batch(kind, stock_dir, our_dir, padded, tokenizer):
+    """LayerIntegratedGradients on `bert.embeddings`, a padded batch of 4 sentences, default config: the embeddings
+    return (B, T, H), so the attributions are stock's; the encoder stays padding-free meanwhile."""
+    attributions = {}
+    for name in ("stock", kind):
+        model = load(name, stock_dir, our_dir)
+        lig = captum_attr.LayerIntegratedGradients(positive_logit(model), model.bert.embeddings)
+        with first_layer_inputs(model) as seen:
+            attributions[name] = lig.attribute(padded["input_ids"], reference_ids(padded["input_ids"], tokenizer),
+                                               additional_forward_args=(padded["attention_mask"],), n_steps=16)
+    assert seen == {2}  # ours: the padding-free rows
+    assert attributions[kind].shape == (4, padded["input_ids"].shape[1], 384)
+    assert attributions[kind].abs().max() > 1e-3
+    assert max_diff(attributions[kind], attributions["stock"]) < TOL
+
+
+@contextlib.contextmanager
+def unpadded(model, value: bool):
+    """`config.unpad_inputs` set to `value` for the block (a no-op on stock BERT)."""
+    previous = getattr(model.config, "unpad_inputs", None)
+    model.config.unpad_inputs = value
+    try:
+        yield
+    finally:
+        model.config.unpad_inputs = previous
+
+
+def conductance(model, inputs, unpad: bool):
+    """LayerConductance of the class-1 logit through `bert.encoder.layer[2]`, word embeddings against zeros."""
+    embeds = model.bert.embeddings.word_embeddings(inputs["input_ids"]).detach()
+    lc = captum_attr.LayerConductance(positive_logit_of_embeddings(model), model.bert.encoder.layer[2])
+    with unpadded(model, unpad), first_layer_inputs(model) as seen:
+        result = lc.attribute(embeds, torch.zeros_like(embeds),
+                              additional_forward_args=(inputs.get("attention_mask"),), n_steps=8)
+    return result, seen
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_captum_layer_conductance(kind, stock_dir, our_dir, one, padded):
+    """LayerConductance on `bert.encoder.layer[2]`: one sentence (the default config; no padding, so stock's layout),
+    and the padded batch with `unpad_inputs=False` (stock's (B, T, H) layout, as documented)."""
+    stock, ours = load("stock", stock_dir, our_dir), load(kind, stock_dir, our_dir)
+    for inputs, unpad in ((one, True), (padded, False)):
+        expected, _ = conductance(stock, inputs, unpad)
+        got, seen = conductance(ours, inputs, unpad)
+        assert seen == {3}
+        assert got.shape == (*inputs["input_ids"].shape, 384) and got.abs().max() > 1e-4
+        assert max_diff(got, expected) < TOL
+
+
+def test_layers_of_a_padded_batch_see_the_padding_free_rows_by_default(stock_dir, our_dir, padded, one):
+    """The documented rule: by default a padded batch's layers run on the (P, H) rows of real tokens (P >= their
+    number; a layer attribution then has that shape, and captum's LayerConductance cannot fold it into (B, T, H)),
+    stock's (B, T, H) with `unpad_inputs=False`; one sentence (no padding) is (1, T, H) either way."""
+    model = load("ours", stock_dir, our_dir)
+    shapes = {}
+    hook = lambda m, args, out: shapes.setdefault(key, []).append((tuple(args[0].shape), tuple(out.shape)))  # noqa
+    model.bert.encoder.layer[2].register_forward_hook(hook)
+    for key, inputs, unpad in (("padded", padded, True), ("padded, unpad_inputs=False", padded, False),
+                               ("one", one, True)):
+        with unpadded(model, unpad), torch.no_grad():
+            model(**inputs)
+    real, (B, T) = int(padded["attention_mask"].sum()), padded["input_ids"].shape
+    (rows, H), _ = shapes["padded"][0]
+    assert rows >= real and H == 384 and shapes["padded"][0][1] == (rows, H)
+    assert shapes["padded, unpad_inputs=False"] == [((B, T, H), (B, T, H))]
+    assert shapes["one"] == [((1, one["input_ids"].shape[1], H),) * 2]
+
+
+def grad_cam(model, inputs, **options):
+    """LayerGradCam of the class-1 logit on `bert.encoder.layer[-1].attention.self`."""
+    return captum_attr.LayerGradCam(positive_logit(model), model.bert.encoder.layer[-1].attention.self).attribute(
+        inputs["input_ids"], additional_forward_args=(inputs.get("attention_mask"),), **options)
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_captum_grad_cam_on_self_attention(kind, stock_dir, our_dir, one, padded):
+    """LayerGradCam on `bert.encoder.layer[-1].attention.self`, whose output is stock's (context, attention weights)
+    pair. captum needs every element to be a tensor: stock BERT (transformers 5.24) gives the weights with the eager
+    attention only (with SDPA they are None, and captum refuses stock's own module: "Given input is not a
+    torch.Tensor"), so both models run eager here; the padded batch with `unpad_inputs=False` too (eager runs padded
+    anyway)."""
+    stock, ours = load("stock", stock_dir, our_dir), load(kind, stock_dir, our_dir)
+    for model in (stock, ours):
+        model.set_attn_implementation("eager")
+    for inputs in (one, padded):
+        expected = grad_cam(stock, inputs)
+        with unpadded(ours, False):
+            got = grad_cam(ours, inputs)
+        assert type(got) is type(expected)
+        got, expected = (r if isinstance(r, tuple) else (r,) for r in (got, expected))
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            assert g.abs().max() > 0 and max_diff(g, e) < TOL
+
+
+def test_captum_grad_cam_on_the_input_of_self_attention(stock_dir, our_dir, one):
+    """LayerGradCam on the input of `attention.self` (SDPA, default config, one sentence): stock's module is given
+    the hidden states only as its positional input."""
+    stock, ours = load("stock", stock_dir, our_dir), load("ours", stock_dir, our_dir)
+    expected = grad_cam(stock, one, attribute_to_layer_input=True)
+    got = grad_cam(ours, one, attribute_to_layer_input=True)
+    assert max_diff(got, expected) < TOL
+
+
+def baseline_inputs(one):
+    """captum's BERT tutorial baseline: [CLS] [PAD]... [SEP], token types 0, position_ids all zeros; one row, no
+    mask."""
+    ids = one["input_ids"]
+    ref = torch.zeros_like(ids)
+    ref[0, 0], ref[0, -1] = ids[0, 0], ids[0, -1]
+    return ref, torch.zeros_like(ids), torch.zeros_like(ids)
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_captum_baseline_call_and_tutorial_attributions(kind, stock_dir, our_dir, one):
+    """Silent wrong answer (2): one row, no attention mask, position_ids all zeros (captum's baseline call) gave
+    logits (T, 2), the row taken as T packed one-token sequences. It gives stock's (1, 2); and the tutorial's
+    LayerIntegratedGradients over the three embedding tables (whose baseline pass is that call) gives stock's
+    attributions."""
+    ref_ids, ref_types, ref_positions = baseline_inputs(one)
+    ids, types = one["input_ids"], one["token_type_ids"]
+    positions = torch.arange(ids.shape[1])[None]
+    results = {}
+    for name in ("stock", kind):
+        model = load(name, stock_dir, our_dir)
+        with torch.no_grad():
+            results[name, "baseline"] = model(ref_ids, token_type_ids=ref_types, position_ids=ref_positions).logits
+        embeddings = model.bert.embeddings
+        lig = captum_attr.LayerIntegratedGradients(
+            lambda i, t, p: model(i, token_type_ids=t, position_ids=p).logits[:, 1],
+            [embeddings.word_embeddings, embeddings.token_type_embeddings, embeddings.position_embeddings])
+        results[name, "attributions"] = lig.attribute((ids, types, positions), (ref_ids, ref_types, ref_positions),
+                                                      n_steps=16)
+    assert results[kind, "baseline"].shape == results["stock", "baseline"].shape == (1, 2)
+    assert max_diff(results[kind, "baseline"], results["stock", "baseline"]) < TOL
+    words, types, positions = results[kind, "attributions"]  # token types equal the baseline's: no attribution
+    assert words.abs().max() > 1e-4 and positions.abs().max() > 1e-4
+    for got, expected in zip(results[kind, "attributions"], results["stock", "attributions"]):
+        assert max_diff(got, expected) < TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Silent wrong answer (3): packs marked by seq_idx or cu_seq_lens_q alone
+# ---------------------------------------------------------------------------------------------------------------------
+def test_packs_marked_by_seq_idx_or_cu_seq_lens_alone_restart_positions(stock_dir, our_dir, tokenizer, padded):
+    """The four sentences packed into one row, marked only by `seq_idx`, or only by `cu_seq_lens_q` (no position_ids):
+    positions restart per sequence, so the logits are the padded batch's (and stock's) within 1e-5. They were 8.7e-3
+    off when positions ran on across the pack."""
+    rows = [tokenizer(s, return_tensors="pt")["input_ids"][0] for s in SENTENCES]
+    lengths = torch.tensor([len(r) for r in rows])
+    packed = torch.cat(rows)[None]  # (1, total)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    seq_idx = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), lengths)[None]
+    model, stock = load("ours", stock_dir, our_dir), load("stock", stock_dir, our_dir)
+    with torch.no_grad():
+        expected = model(**padded).logits
+        stock_logits = stock(**padded).logits
+        by_seq_idx = model(input_ids=packed, seq_idx=seq_idx).logits
+        by_cu = model(input_ids=packed, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lengths.max()),
+                      max_length_k=int(lengths.max())).logits
+    assert max_diff(expected, stock_logits) < TOL
+    assert max_diff(by_seq_idx, expected) < TOL
+    assert max_diff(by_cu, expected) < TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FSDP2 on CPU (gloo): the padding-free path under fully_shard's hooks, equal to one process
+# ---------------------------------------------------------------------------------------------------------------------
+WORLD = 2
+
+
+def fsdp_model():
+    torch.manual_seed(0)
+    return bi.BertImplForSequenceClassification(bi.BertImplConfig(**SMALL))
+
+
+def fsdp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    """One FSDP2 rank: every layer and the model `fully_shard`ed, its half of the padded batch, one forward and
+    backward; rank 0 saves the mean loss, the full gradients and what layer 0 was given."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = fsdp_model()
+        mesh = init_device_mesh("cpu", (world,))
+        seen = []
+        model.bert.encoder.layer[0].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        batch = {k: v.chunk(world)[rank] for k, v in small_batch().items()}
+        loss = model(**batch).loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        if rank == 0:
+            torch.save({"loss": loss / world, "grads": grads, "seen": seen}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_on_cpu_takes_the_padding_free_path_and_equals_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(fsdp_worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path / "out.pt")), nprocs=WORLD)
+    sharded = torch.load(tmp_path / "out.pt")
+
+    model = fsdp_model()
+    loss = model(**small_batch()).loss
+    loss.backward()
+    assert abs(sharded["loss"].item() - loss.item()) < TOL
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert sharded["grads"].keys() == grads.keys()
+    diffs = {n: max_diff(sharded["grads"][n], g) for n, g in grads.items()}
+    assert max(diffs.values()) < TOL, diffs
+    # Rank 0's half of the batch is padded: layer 0 was given the padding-free rows (P, H), P >= its 14 real tokens.
+    assert len(sharded["seen"]) == 1 and len(sharded["seen"][0]) == 2 and sharded["seen"][0][0] >= 14
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Folders saved under the old names
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(p.name for p in LEGACY.iterdir() if p.is_dir()))
+def test_folder_saved_with_the_old_names_loads_with_its_outputs(name):
+    """tests/fixtures/legacy_names: folders written by bert-impl before it took stock names (`bert.layers.N.attn.qkv`,
+    `mlm_head`, ...), with the outputs that code gave. Each loads into its class with every weight and gives them."""
+    stored = load_file(LEGACY / "expected_outputs.safetensors")
+    inputs = {k: stored[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    model, info = getattr(bi, name).from_pretrained(LEGACY / name, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        out = model.eval()(**inputs)
+    fields = {key.split(".", 1)[1]: value for key, value in stored.items() if key.startswith(f"{name}.")}
+    assert fields
+    for field, expected in fields.items():
+        assert max_diff(getattr(out, field), expected) < TOL, field
