@@ -553,11 +553,13 @@ class BertImplModel(BertImplPreTrainedModel):
         encoded = self.encoder(x, mask, layout=layout, padding=padding, output_hidden_states=output_hidden_states,
                                output_attentions=output_attentions)
         last = encoded.last_hidden_state  # (B, T, H)
-        pooled = self.pooler(self._first_tokens(last, attention_mask, packs, batch)) if self.pooler else None
+        cls = self._first_tokens(last, attention_mask, packs, batch)  # (S, 1, H) or (B, T, H)
+        pooled = self.pooler(cls) if self.pooler is not None else None
         return BaseModelOutputWithPooling(last_hidden_state=last, pooler_output=pooled,
                                           hidden_states=encoded.hidden_states)
 
-    def _unpadded_layout(self, x, attention_mask, packs, batch, max_length_q, output_attentions) -> UnpaddedLayout | None:
+    def _unpadded_layout(self, x, attention_mask, packs, batch, max_length_q,
+                         output_attentions) -> UnpaddedLayout | None:
         """The padding-free layout of the batch, or None where the padded path runs: no padding to skip, the `eager`
         attention or attention maps asked for (maps exist on the padded path only), or `config.unpad_inputs=False`."""
         if not (batch.unpaddable and self.config.unpad_inputs and not output_attentions
