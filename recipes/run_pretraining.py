@@ -842,7 +842,13 @@ class PreTrainingTrainer(common.RecipeTrainer):
             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
         )
-        return self.accelerator.prepare(loader)
+        # The phases' batches have no one batch size, which accelerate 1.7 (our lowest) refuses to shard with even_batches;
+        # there is nothing to even out: every process gets the same number of them (PhasedData.micro_batches).
+        even_batches, self.accelerator.even_batches = self.accelerator.even_batches, False
+        try:
+            return self.accelerator.prepare(loader)
+        finally:
+            self.accelerator.even_batches = even_batches
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log, made on every process at the same step: reduce the tallies

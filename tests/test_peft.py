@@ -7,6 +7,7 @@ AdaLoRA's pruned ranks, AutoPeftModel, and Poly and Lily switching the model to 
 Small random BERTs written by transformers' BertForSequenceClassification (the mechanics do not depend on size);
 references are transformers' BERT with the same adapter, or our model before saving."""
 
+import inspect
 import json
 import re
 
@@ -150,7 +151,14 @@ def test_adapter_trained_on_either_model_loads_on_the_other(wide_stock_dir, tmp_
     on_stock.save_pretrained(tmp_path / "from-stock")
 
     on_ours = perturbed(adapted(ours(wide_stock_dir), method))
-    from_ours = logits(on_ours, inputs, **extra)
+    try:
+        from_ours = logits(on_ours, inputs, **extra)
+    except ValueError as error:
+        if "past key values" not in str(error):
+            raise
+        # Known gap: prefix tuning feeds past key values, which stock BERT took until transformers 5.2x and bert-impl
+        # does not (README, PEFT); newer peft refuses it on stock BERT too (skipped above).
+        pytest.xfail(f"{method}: bert-impl takes no past key values ({error})")
     on_ours.save_pretrained(tmp_path / "from-ours")
     assert on_ours.get_base_model().config.unpad_inputs is (method not in PADDED_LAYOUT)
 
@@ -201,7 +209,7 @@ def test_poly_and_lily_switch_to_padded_batches_with_stock_answers(stock_dir):
     included: on the padding-free rows their answers would differ from stock's (Lily's by ~4e-4 here), so our model
     runs them on padded batches, where they are stock's."""
     inputs = batch()
-    for method in sorted(PADDED_LAYOUT):
+    for method in sorted(PADDED_LAYOUT & set(peft.PeftType.__members__)):  # Lily is newer than peft 0.18
         extra = forward_extra(method, inputs)
         expected = logits(perturbed(adapted(stock(stock_dir), method)), inputs, **extra)
         model = perturbed(adapted(ours(stock_dir), method))
@@ -294,8 +302,10 @@ def test_adapter_without_task_type_on_the_encoder(stock_dir, tmp_path):
     assert saved["auto_mapping"]["base_model_class"] == "BertImplModel"
     on_stock = PeftModel.from_pretrained(transformers.BertModel.from_pretrained(stock_dir), tmp_path / "adapter")
     assert (hidden(on_stock)[mask] - expected[mask]).abs().max() < TOL
-    auto = peft.AutoPeftModel.from_pretrained(tmp_path / "adapter",
-                                              import_allowlist=[saved["auto_mapping"]["parent_library"]])
+    # peft 0.18 imports the class the adapter names as it is; newer releases ask for an allowlist
+    allow = "import_allowlist" in inspect.signature(peft.AutoPeftModel.from_pretrained).parameters
+    auto = peft.AutoPeftModel.from_pretrained(
+        tmp_path / "adapter", **({"import_allowlist": [saved["auto_mapping"]["parent_library"]]} if allow else {}))
     assert type(auto.get_base_model()) is bi.BertImplModel
     assert (hidden(auto)[mask] - expected[mask]).abs().max() < TOL
 
