@@ -379,7 +379,7 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
 # ---------------------------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------------------------
-STOCK_ONLY_CONFIG_FIELDS = ("auto_map", "unpad_inputs", "sparse_prediction")  # ours: a stock config has none of them
+OUR_CONFIG_FIELDS = ("auto_map", "unpad_inputs", "sparse_prediction")  # a stock config has none of them
 
 
 def write_stock_config(folder: str, architecture: str) -> None:
@@ -391,7 +391,7 @@ def write_stock_config(folder: str, architecture: str) -> None:
     path = os.path.join(folder, "config.json")
     with open(path) as f:
         config = json.load(f)
-    for key in STOCK_ONLY_CONFIG_FIELDS:
+    for key in OUR_CONFIG_FIELDS:
         config.pop(key, None)
     config.update(model_type="bert", architectures=[architecture])
     with open(path, "w") as f:
