@@ -1089,4 +1089,5 @@ if __name__ == "__main__":
     # Every rank leaves the process group before the interpreter exits: a gloo group torn down at exit has aborted a
     # rank ("terminate called without an active exception") after a run that had finished and saved.
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
