@@ -175,8 +175,9 @@ def config_default(value, default):
 # arithmetic is the same int32 one; activations round a little differently (mean cosine with float32 0.9985 either way).
 # Only where the CPU has AVX-512 VNNI: the template has no other int8 micro-kernel than a scalar one (an AVX2 CPU took
 # 72 ms per 16-token query, oneDNN's qlinear 5.2 ms: RESULTS.md, "sixth pass"). float32 stays on oneDNN: the template
-# took twice its time there.
-INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+# took twice its time there. ATEN beside it: torch 2.15's template offers no choice for the float products of an int8
+# model's program (inductor then refuses to compile), so autotuning needs another.
+INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def int8(base: BertImplModel) -> bool:
