@@ -15,6 +15,10 @@ import torch
 from .bert_padding import sequence_starts
 
 IGNORE_INDEX = -100  # a label that no loss counts (padding, special tokens, unmasked positions), as in transformers
+# Tracing the model needs torch 2.13: on older releases torch.export fails a guard on the dynamic batch, torch.compile
+# pools a packed batch to one row, and torch 2.6 has no torch.compiler.is_exporting. A traced forward refuses there.
+TRACING_TORCH = (2, 13)
+TRACING_SUPPORTED = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= TRACING_TORCH
 
 
 class ValueCheck(NamedTuple):
@@ -47,6 +51,10 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
                            cu_seq_lens_k, marked, T) + list(label_checks)
 
     if torch.compiler.is_compiling():
+        if not TRACING_SUPPORTED:
+            raise ValueError(f"tracing a bert-impl model (torch.compile, torch.export) needs torch >= "
+                             f"{'.'.join(map(str, TRACING_TORCH))} (installed: {torch.__version__}); upgrade torch, "
+                             "or run the model eagerly")
         if checks:
             device = checks[0].value.device
             values = torch.stack([c.value.double().to(device) for c in checks])

@@ -28,6 +28,7 @@ from modeling_bert_impl.modeling_bert_impl import BertImplSelfAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_modeling import SMALL  # noqa: E402
+from test_torch_versions import needs_tracing  # noqa: E402
 
 AVX2 = (sys.platform == "linux" and platform.machine() == "x86_64"
         and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
@@ -152,6 +153,7 @@ def kernel_package(ops, tmp_path_factory):
     return model, path
 
 
+@needs_tracing
 def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kernel_package):
     """9 products (2 layers x query-key-value in one, attention output, up, down, and the pooler's) and 2 attentions a
     call, the GELU taken in the up product's; the compiled model's layers are its own again after the trace; the
@@ -182,6 +184,7 @@ def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kerne
         assert (got[name] - expected[name]).abs().max().item() < 1e-5, name
 
 
+@needs_tracing
 def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch, tmp_path):
     """Where it is not chosen (an AVX-512 CPU, or it could not be built: `load` says why), no call reaches it. An int8
     model chooses it only where its weights have 7 bits (no VNNI): vpmaddubsw's int16 pair sums would saturate on 8."""
@@ -198,6 +201,7 @@ def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch,
         assert avx2_gemm.chosen(int8) == chosen and avx2_gemm.chosen(small_model())
 
 
+@needs_tracing
 def test_a_package_that_needs_the_kernel_says_so(kernel_package, monkeypatch):
     """Loading a package compiled with the kernel, in a process that could not build it, names the package, the kernel
     and why."""
@@ -253,6 +257,7 @@ def int8_model(model: bi.BertImplModel) -> bi.BertImplModel:
                                                                          generator=torch.Generator().manual_seed(3))}])
 
 
+@needs_tracing
 def test_the_int8_program_runs_every_encoder_product_through_the_kernel(ops, monkeypatch, tmp_path):
     """An int8 model with 7-bit weights: 8 qgemm calls a call (query, key and value in one product of their int8
     weights concatenated), Int8Linear layers again after the trace, and the

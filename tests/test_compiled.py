@@ -33,6 +33,12 @@ from modeling_bert_impl.inference.serving import encoder_linears
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_modeling import HEADS, LAYOUTS, SMALL, layout_inputs, output_tensors  # noqa: E402
 from test_serving import assert_same_state, model_state  # noqa: E402
+from test_torch_versions import needs_tracing  # noqa: E402
+
+pytestmark = needs_tracing
+from test_torch_versions import needs_tracing  # noqa: E402
+
+pytestmark = needs_tracing
 
 WITHOUT_POOLER = ("BertImplForMaskedLM", "BertImplForTokenClassification", "BertImplForQuestionAnswering")
 

@@ -22,6 +22,7 @@ from transformers import AutoTokenizer, DataCollatorWithFlattening
 
 import modeling_bert_impl as bi
 from modeling_bert_impl import BertImplConfig
+from test_torch_versions import needs_tracing
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -121,6 +122,7 @@ def export_class(name: str):
 
 
 @pytest.mark.parametrize("name", CLASSES)
+@needs_tracing
 def test_every_class_exports_with_dynamic_shapes_and_runs_in_onnxruntime(name, tmp_path):
     """Every output element, hidden states included, on another B and T than the example, against eager (unpadded)."""
     model, program, onnx_program, choices = export_class(name)
@@ -146,6 +148,7 @@ def exact_layout(monkeypatch):
 
 
 @pytest.mark.parametrize("name", CLASSES)
+@needs_tracing
 def test_every_path_gives_eager_answer_at_every_position(name, monkeypatch):
     """One behaviour at padding on every path: each path's outputs, every element, against eager's (unpadded,
     bucketed layout on CPU) on a batch with holes in its masks."""
@@ -168,6 +171,7 @@ def test_every_path_gives_eager_answer_at_every_position(name, monkeypatch):
         every_element(model(**batch).to_tuple(), expected)
 
 
+@needs_tracing
 def test_static_export_also_with_the_padded_path():
     """Static shapes, and `unpad_inputs=False` (which the issue found failing too)."""
     torch.manual_seed(0)
@@ -180,6 +184,7 @@ def test_static_export_also_with_the_padded_path():
     assert max_diff(got.pooler_output, expected.pooler_output, batch["attention_mask"]) <= TOL
 
 
+@needs_tracing
 def test_a_row_of_padding_only_is_zeros_on_every_path(monkeypatch):
     """Hidden states of a row without a token are zeros, and it pools a zero vector, on every path."""
     model = build_class("BertImplModel")
@@ -201,6 +206,7 @@ def test_a_row_of_padding_only_is_zeros_on_every_path(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["dynamo", "onnx"])
+@needs_tracing
 def test_transformers_exporters(backend, tmp_path):
     """transformers' own exporters (`transformers.exporters`, new in v5: `torch.export` and ONNX run in onnxruntime),
     which the issue found failing for our classes: dynamic shapes, an export and a reloaded export against eager on
@@ -241,6 +247,7 @@ def tiny_model():
     return bi.BertImplModel(BertImplConfig(**TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).eval()
 
 
+@needs_tracing
 def test_compiled_fullgraph_padded_batches_match_eager_without_recompiling(tiny_model):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # process-wide: other tests' compilations count there too
@@ -266,6 +273,7 @@ def test_compiled_fullgraph_padded_batches_match_eager_without_recompiling(tiny_
 
 
 @pytest.mark.parametrize("marker", ["position_ids", "cu_seq_lens_q", "seq_idx"])
+@needs_tracing
 def test_compiled_fullgraph_packed_batches_match_eager(tiny_model, marker):
     options = {"position_ids": {}, "cu_seq_lens_q": {"return_flash_attn_kwargs": True},
                "seq_idx": {"return_seq_idx": True}}[marker]
@@ -282,6 +290,7 @@ def test_compiled_fullgraph_packed_batches_match_eager(tiny_model, marker):
     assert (got.pooler_output - expected.pooler_output).abs().max() <= 1e-5
 
 
+@needs_tracing
 def test_compiled_model_refuses_bad_values_with_a_traced_assert(tiny_model):
     torch._dynamo.reset()
     compiled = torch.compile(tiny_model, fullgraph=True, backend="aot_eager")
@@ -294,6 +303,7 @@ def test_compiled_model_refuses_bad_values_with_a_traced_assert(tiny_model):
 # ---------------------------------------------------------------------------------------------------------------------
 # The export command, end to end on a folder made from MiniLM
 # ---------------------------------------------------------------------------------------------------------------------
+@needs_tracing
 def test_export_command_on_minilm(minilm_dir, tmp_path):
     model_dir, out = tmp_path / "classifier", tmp_path / "onnx"
     torch.manual_seed(0)

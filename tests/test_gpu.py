@@ -26,6 +26,7 @@ import torch
 import transformers
 
 import modeling_bert_impl as bi
+from test_torch_versions import needs_tracing
 
 _REQUESTED = os.environ.get("BERT_IMPL_TEST_DEVICE", "")
 if _REQUESTED not in ("", "cpu", "cuda"):
@@ -360,6 +361,7 @@ COMPILE_BACKEND = "inductor" if CUDA else "aot_eager"  # see the module docstrin
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed_position_ids"])
+@needs_tracing
 def test_compiled_fullgraph_forward_and_backward_match_eager(minilm_dir, batch, layout):
     """fp32, a training step (the exact unpadded layout under compile): the compiled model's outputs and gradients
     against eager's."""

@@ -7,6 +7,7 @@ import torch
 
 import modeling_bert_impl as bi
 from modeling_bert_impl import BertImplConfig
+from test_torch_versions import needs_tracing
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
             max_position_embeddings=64)
@@ -240,6 +241,7 @@ def test_labels_read_in_the_encoders_one_host_read(cls, monkeypatch):
     assert len(reads) == 1
 
 
+@needs_tracing
 def test_compiled_head_refuses_bad_labels_with_a_traced_assert():
     model = head(bi.BertImplForTokenClassification)
     torch._dynamo.reset()

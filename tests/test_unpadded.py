@@ -19,6 +19,7 @@ from modeling_bert_impl.bert_padding import (
     unpad,
     unpad_indices,
 )
+from test_torch_versions import needs_tracing
 
 TOL = 1e-5
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -196,6 +197,7 @@ def test_batch_of_padding_only_runs():
     assert out.last_hidden_state.shape == (2, 5, 32) and torch.isfinite(out.pooler_output).all()
 
 
+@needs_tracing
 def test_compiled_model_matches_in_both_layouts():
     """Under torch.compile: inference takes the bucketed layout (its host steps as custom ops), training the exact one."""
     torch.manual_seed(0)
@@ -287,6 +289,7 @@ def test_sparse_prediction_same_loss_and_gradients(head):
         assert head(BertImplConfig(**TINY))(**batch).to_tuple()[0].shape == (4, 14, 99)
 
 
+@needs_tracing
 def test_layers_compile_without_graph_breaks():
     torch.manual_seed(0)
     config = BertImplConfig(**TINY)

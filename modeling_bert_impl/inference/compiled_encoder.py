@@ -45,6 +45,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from . import avx2_gemm
 from ..bert_padding import UnpaddedLayout
 from ..modeling_bert_impl import BertImplModel
+from ..torch_support import require_torch
 from .frozen_model import InferenceModule, ModuleTree, inference_class, inference_copy
 from .fused_layers import UNMASKED_ATTENTION, group_size
 from .packed_linear import untraced
@@ -80,6 +81,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     padded batch once per group of sequences of similar length); the heads run as before, and every other call runs
     `optimize_for_inference`'s path. The weights are the model's at this call: changing the model afterwards does not
     change the inference model (compile again). An int8 model's program runs `Int8Linear`'s traced formulation."""
+    require_torch("compile_for_inference")
     base = base_of(model)
     if not isinstance(base, BertImplModel):
         raise ValueError(f"model: {type(model).__name__} is not a bert-impl model")
@@ -173,8 +175,9 @@ def config_default(value, default):
 # arithmetic is the same int32 one; activations round a little differently (mean cosine with float32 0.9985 either way).
 # Only where the CPU has AVX-512 VNNI: the template has no other int8 micro-kernel than a scalar one (an AVX2 CPU took
 # 72 ms per 16-token query, oneDNN's qlinear 5.2 ms: RESULTS.md, "sixth pass"). float32 stays on oneDNN: the template
-# took twice its time there.
-INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+# took twice its time there. ATEN beside it: torch 2.15's template offers no choice for the float products of an int8
+# model's program (inductor then refuses to compile), so autotuning needs another.
+INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def int8(base: BertImplModel) -> bool:
