@@ -1,6 +1,6 @@
 """bert-impl against the inference engines a user would pick, on CPU, side by side in one process.
 
-    python benchmarks/bench_engines.py            # the full run (benchmarks/RESULTS.md, "Engines")
+    python benchmarks/bench_engines.py            # the full run: every engine, every workload
     python benchmarks/bench_engines.py --quick    # a short run: fewer batches and repeats
 
 all-MiniLM-L6-v2 weights, fp32, 2 threads for every engine. Engines (each skipped, with a line saying so, when its

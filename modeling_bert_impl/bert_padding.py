@@ -11,8 +11,8 @@ unpadded encoder runs on. Two layouts:
 - exact (P = nnz, `VarlenBatch`): the varlen kernels below; on CUDA, and for training under torch.compile;
 - bucketed (`BucketedBatch`, CPU): sequences sorted by length into a few groups, each padded to its longest (P a few
   percent over nnz), so that attention takes each group as a plain padded batch straight from views of the rows: no
-  copies per layer, no per-sequence calls. On CPU this measured fastest (benchmarks/RESULTS.md); copies cost more than
-  the few padded rows there.
+  copies per layer, no per-sequence calls. On CPU this measured fastest: copies cost more than the few padded rows
+  there (benchmarks/NOTES.md, "Attention layout of the padding-free path on CPU").
 
 Under torch.compile the steps that need the batch's values on the host (how many real tokens, which groups) run as
 custom ops with data-dependent output sizes (`torch.library.custom_op`), so the compiled graph has no graph break and
@@ -29,9 +29,9 @@ try:  # optional: flash-attention's variable-length kernel, used on CUDA for fp1
 except (ImportError, OSError, RuntimeError):  # not installed, or built against another torch / CUDA
     flash_attn_varlen_func = None
 
-# A new group (one more SDPA call) must save more than this many padded rows. Measured on MiniLM, 2 CPU threads: 0 to 8
-# are within a few percent of each other on an idle machine, larger costs pad more; 8 holds up best when the cores are
-# shared (an SDPA call then waits for both threads to be scheduled). benchmarks/RESULTS.md has the figures.
+# A new group (one more SDPA call) must save more than this many padded rows. 0 to 8 are within a few percent of each
+# other on an idle machine, larger costs pad more; 8 holds up best when the cores are shared (an SDPA call then waits
+# for both threads to be scheduled): benchmarks/NOTES.md, "Attention layout of the padding-free path on CPU".
 BUCKET_GROUP_COST = 8
 
 
