@@ -350,7 +350,10 @@ def test_time_budget_ends_the_run_on_time_with_the_schedule_at_its_end_and_a_loa
     assert 0.9e-3 < rates[top] <= 1e-3 and 0.02 < top / len(rates) < 0.3, (top, len(rates))
     assert all(a <= b for a, b in zip(rates[:top], rates[1:top + 1]))
     assert all(a >= b for a, b in zip(rates[top:], rates[top + 1:]))
-    assert rates[-1] < 0.05 * 1e-3
+    # The last step lands within a step or two of the budget's end: the rate is near lr_end, by at most two steps'
+    # worth of decay (a slow machine fits fewer steps into the budget, each a larger decrement).
+    decrement = (rates[top] - lr_end) / (len(rates) - top)
+    assert rates[-1] - lr_end < max(0.05 * 1e-3, 2 * decrement), (rates[-1], decrement, len(rates))
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["stateful_callbacks"]["TimeBudget"]["attributes"]["spent_before"] >= budget
     model = transformers.AutoModelForMaskedLM.from_pretrained(checkpoint)
