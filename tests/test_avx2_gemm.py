@@ -199,18 +199,20 @@ def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch,
 
 
 def test_a_package_that_needs_the_kernel_says_so(kernel_package, monkeypatch):
-    """Loading a package compiled with the kernel, in a process that could not build it, names the package, the kernel
-    and why."""
+    """Loading a package compiled with the kernels, in a process that could not build them, names the package and
+    why, before loading it; where the reason is a C++ compiler not on PATH, which one and how to get one."""
     _, path = kernel_package
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
     monkeypatch.setattr(avx2_gemm, "load", lambda: "g++ could not build it")
-
-    def unregistered(_):
-        raise RuntimeError("Could not find schema for bert_impl::sgemm.")
-
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", unregistered)
-    with pytest.raises(ValueError, match=rf"{path} runs bert-impl's AVX2 kernel bert_impl::sgemm, .*g\+\+ could not"):
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda _: pytest.fail("the package was loaded"))
+    with pytest.raises(ValueError, match=rf"{path} calls bert-impl's AVX2 kernels .*could not be \(g\+\+ could not"):
         bi.compile_for_inference(small_model(), path)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-g++"))
+    with pytest.raises(ValueError, match=rf"{path} calls .*compiler, and no-such-g\+\+ is not on PATH: install it "
+                                         r"\(e.g. `apt install g\+\+`\).*AVX-512.*needs no compiler"):
+        bi.compile_for_inference(small_model(), path)
+    with pytest.raises(ValueError, match=r"compiles with a C\+\+ compiler, and no-such-g\+\+ is not on PATH"):
+        bi.compile_for_inference(small_model())
 
 
 def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
