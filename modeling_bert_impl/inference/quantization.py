@@ -161,7 +161,9 @@ class Int8Linear(nn.Module):
         row_max = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # (..., 1)
         x = x / row_max  # rows in [-1, 1]: one scale per call fits every token
         if untraced_inference():
-            y = torch.ops.quantized.linear_dynamic(x, self._packed[0], False)
+            # a row holding a NaN or an inf (its row_max NaN or inf) is zeroed for the kernel, whose one range over the
+            # call would otherwise have no ends: its output is NaN through row_max, the other rows' are untouched
+            y = torch.ops.quantized.linear_dynamic(x.nan_to_num_(0.0, 0.0, 0.0), self._packed[0], False)
         else:
             x = DECOMPOSED.dequantize_per_tensor(DECOMPOSED.quantize_per_tensor(x, *ROWS_UINT8), *ROWS_UINT8)
             w = DECOMPOSED.dequantize_per_channel(self.weight_int8, self.scale, self.zero_point, 0, -128, 127,
