@@ -175,12 +175,11 @@ def config_default(value, default):
 
 
 # An int8 model's products through inductor's own C++ GEMM template (VNNI micro-kernels, the per-token quantizing and
-# the rescaling fused around them) instead of oneDNN's: on all-MiniLM-L6-v2, 2 threads, in one process, 25-30% less time
-# per 16-token query, level at 128 tokens, about 3% more on batches of 64 (benchmarks/RESULTS.md, "fifth pass"). The
-# arithmetic is the same int32 one; activations round a little differently (mean cosine with float32 0.9985 either way).
-# Only where the CPU has AVX-512 VNNI: the template has no other int8 micro-kernel than a scalar one (an AVX2 CPU took
-# 72 ms per 16-token query, oneDNN's qlinear 5.2 ms: RESULTS.md, "sixth pass"). float32 stays on oneDNN: the template
-# took twice its time there.
+# the rescaling fused around them) instead of oneDNN's: faster on short queries, level on long ones and dense batches.
+# The arithmetic is the same int32 one; activations round a little differently (as accurate against float32).
+# Only where the CPU has AVX-512 VNNI: the template has no other int8 micro-kernel than a scalar one, an order of
+# magnitude slower than oneDNN's qlinear on an AVX2 CPU. float32 stays on oneDNN: the template was slower there.
+# (benchmarks/NOTES.md, "int8 products in the compiled program")
 INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
@@ -196,11 +195,9 @@ def gemm_configs(base: BertImplModel) -> dict:
 
 def token_limit(base: BertImplModel) -> int | None:
     """The most tokens (batch x length) a call may have to run the program; None for no limit. On an AVX2 CPU (no
-    AVX-512) the float32 program with oneDNN's products is faster than the eager path up to 64 tokens and slower beyond
-    (an AVX2 Zen 3: 0.81x its time at 1 x 16, 1.00x at 1 x 64, 1.13x at 1 x 128, 1.17x at 16 x 128; RESULTS.md,
-    "sixth pass"); with our kernel's (avx2_gemm.py) up to 512 (0.90-0.92x at 1 x 128, 0.90x at 1 x 256, 0.95x at
-    4 x 128), and beyond that the two are within the noise (0.92-1.10x at 16 x 128, 0.99-1.04x at 64 x 128: RESULTS.md,
-    "ninth pass"). On AVX-512 and in int8 it is faster at every size measured."""
+    AVX-512) the float32 program with oneDNN's products is faster than the eager path up to 64 tokens and slower beyond;
+    with our kernel's (avx2_gemm.py) up to 512, and beyond that the two are within the noise. On AVX-512 and in int8 it
+    is faster at every size measured (benchmarks/NOTES.md, "the compiled program's token limit")."""
     if torch.backends.cpu.get_cpu_capability() != "AVX2" or int8(base):
         return None
     return 512 if avx2_gemm.chosen(base) else 64
@@ -323,9 +320,9 @@ def fingerprint(base: BertImplModel) -> str:
 
 def model_output(hidden: torch.Tensor, pooled: torch.Tensor | None = None) -> BaseModelOutputWithPooling:
     """`BaseModelOutputWithPooling(hidden, pooled)` as its constructor builds it (every field an attribute, those not
-    None also items, in field order) without the dataclass's bookkeeping (a `fields()` walk on each assignment): on the
-    cold caches right after the program, the constructor took 65-70 µs of a 3.2 ms 16-token call. Tested equal to
-    the constructor's."""
+    None also items, in field order) without the dataclass's bookkeeping (a `fields()` walk on each assignment), which
+    on the cold caches right after the program is a visible part of a short query's time. Tested equal to the
+    constructor's."""
     out = BaseModelOutputWithPooling.__new__(BaseModelOutputWithPooling)
     out.__dict__.update(OUTPUT_FIELDS, last_hidden_state=hidden, pooler_output=pooled)
     OrderedDict.__setitem__(out, "last_hidden_state", hidden)
@@ -347,7 +344,7 @@ class CompiledEncoder:
         self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
         self.max_length = base.config.max_position_embeddings
         self.by_shape = {}  # (B, T) -> `constants`
-        # Padded batches: the program by groups for an int8 model (1.5-1.7x the eager int8 speed on mixed lengths);
+        # Padded batches: the program by groups for an int8 model (faster than the eager int8 path on mixed lengths);
         # float32's eager path lays them out the same way at the same speed or better, so it keeps them.
         self.padded_batches = int8(base)
         self.max_tokens = token_limit(base) or math.inf  # calls of more tokens take the eager path
