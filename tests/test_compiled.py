@@ -4,7 +4,8 @@ it may (batch 1, dense batches, an int8 model's padded batches by groups of simi
 padded batches, hidden states or attention maps asked for, inputs that need gradients, hooks, replaced modules,
 another dtype, packed batches, rows of padding only); the model given is left as it was, and changing it afterwards
 never changes the compiled model's answers; training or saving the compiled model is refused; packages are reused,
-never written over, and refused for other weights; bad ids are named as eagerly.
+never written over, and refused for other weights; damaged, cut off, empty and foreign files are refused by name before
+any of their code runs; bad ids are named as eagerly; in int8, a NaN in one row stays in that row.
 
 Each compile takes 13-20 s on 2 cores: the module compiles two packages of a 2-layer model (with a pooler and without)
 that every other test loads, and one of all-MiniLM-L6-v2."""
@@ -425,7 +426,8 @@ DAMAGE = {  # a file at the package's path -> what the refusal says about it
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_damaged_files_are_named_before_loading(packages, encoder_state, tmp_path, refuses_loading, damage):
-    """An empty file, random bytes, a package cut off halfway: a ValueError with the path, what is wrong and what to do; nothing loaded."""
+    """An empty file, random bytes, a package cut off halfway: a ValueError with the path, what is wrong and what to
+    do; nothing loaded."""
     change, message = DAMAGE[damage]
     data = Path(packages[True]).read_bytes()
     path = tmp_path / "damaged.pt2"

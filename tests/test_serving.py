@@ -372,7 +372,8 @@ else:
 def test_onednn_caches_are_bounded_and_a_cache_turned_off_is_refused(lru):
     """In a process of its own (both caches are sized at oneDNN's first use): where the environment does not size
     oneDNN's caches the engine sets them to CACHE_CAPACITY entries; a size given is kept; LRU_CACHE_CAPACITY=0, with
-    which torch's packed products crash the process (SIGSEGV), is refused by name, and the model as loaded still runs."""
+    which torch's packed products crash the process (SIGSEGV), is refused by name, and the model as loaded still
+    runs."""
     env = {k: v for k, v in os.environ.items() if k not in packed_linear.CACHES}
     if lru is not None:
         env["LRU_CACHE_CAPACITY"] = lru

@@ -29,8 +29,9 @@ They are built once per torch release and source, with the C++ compiler that ind
 needs too), into inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`), and loaded into the
 process (`load`). A package compiled with them needs them loaded to load: `compile_for_inference` builds or finds them
 first. A float32 feed-forward's exact GELU is taken in its first product's store (`gelu8`: a rational approximation of
-erf, the GELU within 2.2e-7 max(1, |x|) of float64's; cheaper than inductor's loop after the product). sgemm's sums run over the input in order, one float32 FMA at a time, qgemm's are exact integers: the
-programs' outputs are within 1e-5 of the eager paths' (tests/test_avx2_gemm.py).
+erf, the GELU within 2.2e-7 max(1, |x|) of float64's; cheaper than inductor's loop after the product). sgemm's sums
+run over the input in order, one float32 FMA at a time, qgemm's are exact integers: the programs' outputs are within
+1e-5 of the eager paths' (tests/test_avx2_gemm.py).
 """
 
 import functools
