@@ -203,18 +203,20 @@ def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch,
 
 @needs_tracing
 def test_a_package_that_needs_the_kernel_says_so(kernel_package, monkeypatch):
-    """Loading a package compiled with the kernel, in a process that could not build it, names the package, the kernel
-    and why."""
+    """Loading a package compiled with the kernels, in a process that could not build them, names the package and
+    why, before loading it; where the reason is a C++ compiler not on PATH, which one and how to get one."""
     _, path = kernel_package
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
     monkeypatch.setattr(avx2_gemm, "load", lambda: "g++ could not build it")
-
-    def unregistered(_):
-        raise RuntimeError("Could not find schema for bert_impl::sgemm.")
-
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", unregistered)
-    with pytest.raises(ValueError, match=rf"{path} runs bert-impl's AVX2 kernel bert_impl::sgemm, .*g\+\+ could not"):
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda _: pytest.fail("the package was loaded"))
+    with pytest.raises(ValueError, match=rf"{path} calls bert-impl's AVX2 kernels .*could not be \(g\+\+ could not"):
         bi.compile_for_inference(small_model(), path)
+    with torch._inductor.config.patch({"cpp.cxx": (None, "no-such-g++")}):
+        with pytest.raises(ValueError, match=rf"{path} calls .*compiler, and no-such-g\+\+ is not on PATH: install "
+                                             r"it \(e.g. `apt install g\+\+`\).*AVX-512.*needs no compiler"):
+            bi.compile_for_inference(small_model(), path)
+        with pytest.raises(ValueError, match=r"compiles with a C\+\+ compiler, and no-such-g\+\+ is not on PATH"):
+            bi.compile_for_inference(small_model())
 
 
 def test_a_compiler_that_fails_is_named(monkeypatch, tmp_path):
@@ -250,6 +252,24 @@ def test_int8_layers_are_the_traced_formulations_in_integers(ops, M, K, N):
     magnitude = q.abs() @ w.double().abs().T * scale.double() / 127 * m.double() + bias.double().abs()
     assert y.shape == (M, N) and y.dtype == torch.float32
     assert ((y.double() - expected).abs() <= 4 * torch.finfo(torch.float32).eps * magnitude).all()
+
+
+@pytest.mark.parametrize("K", [40, 43])
+def test_a_nan_or_inf_in_one_row_stays_in_that_row(ops, K):
+    """qgemm quantizes each row on its own: a row holding a NaN (in the 8-wide steps or in the tail of the row) gives
+    NaN outputs (as the traced formulation does: its row maximum is NaN), one holding an inf no finite output (its row
+    maximum is inf; the next LayerNorm makes them NaN), the other rows what they give alone."""
+    generator = torch.Generator().manual_seed(K)
+    x = torch.randn(6, K, generator=generator)
+    smooth = torch.rand(K, generator=generator) + 0.5
+    w = torch.randint(-63, 64, (24, K), generator=generator, dtype=torch.int8)
+    scale, bias = torch.rand(24, generator=generator) / 100, torch.randn(24, generator=generator)
+    qgemm = lambda x: ops.qgemm(x, smooth, avx2_gemm.pack_int8(w), w.sum(1, dtype=torch.int32), scale, bias, 24)  # noqa
+    bad = x.clone()
+    bad[0, 3], bad[2, K - 1], bad[4, 5] = float("nan"), float("nan"), float("inf")
+    got, alone = qgemm(bad), qgemm(x[[1, 3, 5]])
+    assert got[[0, 2]].isnan().all() and not got[4].isfinite().any()
+    assert torch.equal(got[[1, 3, 5]], alone)
 
 
 def int8_model(model: bi.BertImplModel) -> bi.BertImplModel:

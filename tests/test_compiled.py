@@ -4,7 +4,8 @@ it may (batch 1, dense batches, an int8 model's padded batches by groups of simi
 padded batches, hidden states or attention maps asked for, inputs that need gradients, hooks, replaced modules,
 another dtype, packed batches, rows of padding only); the model given is left as it was, and changing it afterwards
 never changes the compiled model's answers; training or saving the compiled model is refused; packages are reused,
-never written over, and refused for other weights; bad ids are named as eagerly.
+never written over, and refused for other weights; damaged, cut off, empty and foreign files are refused by name before
+any of their code runs; bad ids are named as eagerly; in int8, a NaN in one row stays in that row.
 
 Each compile takes 13-20 s on 2 cores: the module compiles two packages of a 2-layer model (with a pooler and without)
 that every other test loads, and one of all-MiniLM-L6-v2."""
@@ -13,8 +14,11 @@ import copy
 import inspect
 import os
 import pickle
+import random
 import re
+import subprocess
 import sys
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,9 +37,6 @@ from modeling_bert_impl.inference.serving import encoder_linears
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_modeling import HEADS, LAYOUTS, SMALL, layout_inputs, output_tensors  # noqa: E402
 from test_serving import assert_same_state, model_state  # noqa: E402
-from test_torch_versions import needs_tracing  # noqa: E402
-
-pytestmark = needs_tracing
 from test_torch_versions import needs_tracing  # noqa: E402
 
 pytestmark = needs_tracing
@@ -104,8 +105,11 @@ def eager(model, **inputs):
         return model(**inputs)
 
 
+NAN_TOKEN = SMALL["vocab_size"] - 1  # a token no random batch holds: the int8 package's NaN embedding (`int8_package`)
+
+
 def random_ids(B: int, seed: int) -> torch.Tensor:  # (B, 9) token ids of the SMALL vocabulary
-    return torch.randint(1, SMALL["vocab_size"], (B, 9), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(1, NAN_TOKEN, (B, 9), generator=torch.Generator().manual_seed(seed))
 
 
 def assert_same_outputs(got, expected):
@@ -157,7 +161,7 @@ def padded_batch(seed: int) -> dict:
     mask = (torch.arange(T) < lengths[:, None]).long()
     mask[1] = mask[1].flip(0)  # left padding
     mask[4, 5:8] = 0  # a hole
-    ids = torch.randint(1, SMALL["vocab_size"], (B, T), generator=g) * mask
+    ids = torch.randint(1, NAN_TOKEN, (B, T), generator=g) * mask
     return dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.randint(0, 2, (B, T), generator=g),
                 position_ids=torch.arange(T) + torch.randint(0, 30, (B, 1), generator=g))
 
@@ -387,9 +391,9 @@ def test_loaded_compiled_and_called_under_inference_mode(packages, encoder_state
 
 
 def test_a_package_of_another_format_is_refused(packages, encoder_state, monkeypatch):
-    monkeypatch.setattr(compiled_encoder, "FORMAT", "bert-impl compiled model 4")
+    monkeypatch.setattr(compiled_encoder, "FORMAT", "bert-impl compiled model 5")
     with pytest.raises(ValueError, match=re.escape("compiled from another package format (format 'bert-impl compiled "
-                                                   "model 5', here 'bert-impl compiled model 4')")):
+                                                   "model 6', here 'bert-impl compiled model 5')")):
         compiled("BertImplModel", packages, encoder_state)
 
 
@@ -401,6 +405,99 @@ def test_a_package_for_other_cpu_instructions_is_refused(packages, encoder_state
     monkeypatch.setattr(compiled_encoder, "cpu_instructions", lambda: "AVX512 VNNI" if here == "AVX2" else "AVX2")
     with pytest.raises(ValueError, match=re.escape(f"compiled from another CPU instruction set (cpu {here!r}, here")):
         compiled("BertImplModel", packages, encoder_state)
+
+
+def rewritten(package: str, path: Path, change) -> None:
+    """A copy of `package` at `path`, each entry's bytes replaced by `change(name, data)` (zip CRCs recomputed)."""
+    with zipfile.ZipFile(package) as source, zipfile.ZipFile(path, "w") as copy:
+        for info in source.infolist():
+            copy.writestr(info, change(info.filename, source.read(info)))
+
+
+@pytest.fixture
+def refuses_loading(monkeypatch):
+    """No package is loaded (AOTInductor's loader fails the test)."""
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda *a: pytest.fail("the package was loaded"))
+
+
+DAMAGE = {  # a file at the package's path -> what the refusal says about it
+    "empty": (lambda data: b"", r"is empty \(0 bytes\)"),
+    "random bytes": (lambda data: random.Random(0).randbytes(4096), r"is not a zip archive \(it begins with b'"),
+    "cut off": (lambda data: data[:len(data) // 2], "is cut off at byte {half}: it begins as a zip archive"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_files_are_named_before_loading(packages, encoder_state, tmp_path, refuses_loading, damage):
+    """An empty file, random bytes, a package cut off halfway: a ValueError with the path, what is wrong and what to
+    do; nothing loaded."""
+    change, message = DAMAGE[damage]
+    data = Path(packages[True]).read_bytes()
+    path = tmp_path / "damaged.pt2"
+    path.write_bytes(change(data))
+    message = message.format(half=len(data) // 2)
+    with pytest.raises(ValueError, match=rf"package_path: {re.escape(str(path))} {message}.*compile the model there"):
+        bi.compile_for_inference(bi.BertImplModel(bi.BertImplConfig(**SMALL)), path)
+
+
+@pytest.mark.parametrize("crc", ["recomputed", "stale"])
+def test_flipped_weight_bytes_are_refused(packages, encoder_state, tmp_path, refuses_loading, monkeypatch, crc):
+    """The word embeddings' bytes inside the package's shared object negated, the zip CRCs recomputed (refused by the
+    SHA-256 written at compile time) or left as they were (refused by the CRC). Loaded without the checks, the package
+    would answer with the changed weights: what they guard against."""
+    weights = encoder_state["embeddings.word_embeddings.weight"]
+    before, after = weights.numpy().tobytes(), (-weights).numpy().tobytes()
+    data = Path(packages[True]).read_bytes()
+    assert data.count(before) == 1  # the weights, as they are, in the program
+    path = tmp_path / "flipped.pt2"
+    if crc == "recomputed":
+        rewritten(packages[True], path, lambda name, data: data.replace(before, after))
+        message = r"is damaged: its content's SHA-256 is \w+, not the \w+ written when it was compiled"
+    else:
+        path.write_bytes(data.replace(before, after))
+        message = r"is damaged: Bad CRC-32 for file '\S+\.so'"
+    torch.manual_seed(1)
+    model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+    model.load_state_dict(encoder_state)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} {message}"):
+        bi.compile_for_inference(model, path)
+    monkeypatch.undo()
+    ids = random_ids(1, seed=40)
+    program = compiled_encoder.load_package(str(path), kernels=False)
+    with torch.no_grad():
+        flipped = program([ids, torch.ones_like(ids), torch.zeros_like(ids), torch.arange(9)[None]])[0]
+        assert (flipped - model(input_ids=ids).last_hidden_state).abs().max() > 0.1
+
+
+CONSTRUCTOR = """#include <stdio.h>
+__attribute__((constructor)) static void mark(void) { FILE* f = fopen("MARKER", "w"); if (f) fclose(f); }
+"""
+
+
+def test_a_shared_object_that_does_not_match_its_digest_never_runs(packages, encoder_state, tmp_path):
+    """A package whose shared object was replaced by one with a constructor (code that runs as it is loaded), its
+    manifest as it was: refused by its digest, the constructor never ran (its marker file stays absent). AOTInductor's
+    loader, in another process, runs it."""
+    from modeling_bert_impl.inference.compiled_encoder import missing_compiler
+
+    if missing_compiler() is not None:
+        pytest.skip("no C++ compiler to build the shared object")
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    marker, source = tmp_path / "constructor_ran", tmp_path / "constructor.c"
+    source.write_text(CONSTRUCTOR.replace("MARKER", str(marker)))
+    built = subprocess.run([get_cpp_compiler(), "-x", "c", "-shared", "-fPIC", str(source), "-o",
+                            str(tmp_path / "constructor.so")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    code = (tmp_path / "constructor.so").read_bytes()
+    path = tmp_path / "constructor.pt2"
+    rewritten(packages[True], path, lambda name, data: code if name.endswith(".so") else data)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))} is damaged: its content's SHA-256"):
+        compiled("BertImplModel", {True: str(path)}, encoder_state)
+    assert not marker.exists()
+    subprocess.run([sys.executable, "-c", f"import torch; torch._inductor.aoti_load_package({str(path)!r})"],
+                   capture_output=True)
+    assert marker.exists()  # the check is what kept it from running
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["AVX2 kernel", "oneDNN"])
@@ -514,13 +611,22 @@ def int8_model(encoder_state, seed: int):
     return bi.quantize_for_inference(model, [{"input_ids": random_ids(8, seed)}])
 
 
-def test_an_int8_model_compiles(encoder_state, tmp_path):
+@pytest.fixture(scope="module")
+def int8_package(encoder_state, tmp_path_factory):
+    """The SMALL encoder's int8 model compiled, NAN_TOKEN's embedding NaN (a sequence holding it is a bad row), and
+    the package's path."""
+    path = tmp_path_factory.mktemp("int8") / "int8.pt2"
+    state = {**encoder_state, "embeddings.word_embeddings.weight": encoder_state[
+        "embeddings.word_embeddings.weight"].index_fill(0, torch.tensor([NAN_TOKEN]), float("nan"))}
+    return bi.compile_for_inference(int8_model(state, seed=10), path), path
+
+
+def test_an_int8_model_compiles(int8_package, encoder_state):
     """quantize_for_inference, then compile_for_inference: the program runs the int8 products as the traced
     formulation of `Int8Linear` does (`quantized_decomposed`; the eager path takes it where gradients are on), on
     dense batches and on padded ones once per group of the eager layout (zeros at padding, each row pooled from its
     first token), and another calibration's int8 weights are refused the package."""
-    path = tmp_path / "int8.pt2"
-    model = bi.compile_for_inference(int8_model(encoder_state, seed=10), path)
+    model, path = int8_package
     calls = program_calls(model)
     ids = random_ids(3, seed=11)
     padded = padded_batch(seed=12)
@@ -542,3 +648,27 @@ def test_an_int8_model_compiles(encoder_state, tmp_path):
     assert F.cosine_similarity(got.last_hidden_state, kernel.last_hidden_state, dim=-1).min() > 0.99
     with pytest.raises(ValueError, match="another model or weights"):
         bi.compile_for_inference(int8_model(encoder_state, seed=13), path)
+
+
+def test_a_nan_in_one_row_of_an_int8_batch_stays_in_that_row(int8_package, encoder_state):
+    """A dense batch whose first sequence holds the token with the NaN embedding: that row's outputs are NaN, the
+    others' within cosine 0.99 of the float32 model's, through the program, the eager int8 kernel and the traced
+    formulation alike."""
+    model, _ = int8_package
+    float32 = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+    float32.load_state_dict(encoder_state)
+    float32.embeddings.word_embeddings.weight.data[NAN_TOKEN] = float("nan")
+    calls = program_calls(model)
+    ids = random_ids(4, seed=41)
+    ids[0, 3] = NAN_TOKEN
+    with torch.no_grad():
+        expected = float32(input_ids=ids)
+        outputs = [model(input_ids=ids), eager(model, input_ids=ids)]
+        with torch.enable_grad():
+            outputs.append(eager(model, input_ids=ids))
+    assert len(calls) == 1
+    for got in outputs:
+        for name in ("last_hidden_state", "pooler_output"):
+            g, e = got[name].detach(), expected[name]
+            assert g[0].isnan().all() and e[0].isnan().all() and g[1:].isfinite().all(), name
+            assert F.cosine_similarity(g[1:], e[1:], dim=-1).min() >= 0.99, name

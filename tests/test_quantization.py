@@ -142,6 +142,28 @@ def test_each_eager_kernel_computes_the_int8_product(monkeypatch, engine):
     assert kernel.shape == expected.shape and (kernel - traced).abs().max() < step
 
 
+@pytest.mark.parametrize("vnni", [True, False], ids=["oneDNN", "FBGEMM"])
+def test_a_nan_in_one_sequence_stays_in_that_sequence(minilm_dir, text, monkeypatch, vnni):
+    """A NaN in the first sequence of a dense batch (the first value the eager kernel's one range over the call
+    reads): that sequence's outputs are NaN, the others' within cosine 0.99 of float32's, through either eager kernel
+    and the traced formulation."""
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
+    calibration, evaluation = text
+    fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    int8 = quantize_for_inference(fp32, calibration[:1])
+    with torch.no_grad():
+        embeds = fp32.embeddings.word_embeddings(evaluation[0]["input_ids"][:4, :24])  # (4, 24, H), no padding
+        embeds[0, 0, 0] = float("nan")
+        expected = fp32(inputs_embeds=embeds).last_hidden_state
+        kernel = int8(inputs_embeds=embeds).last_hidden_state
+        with torch.enable_grad():
+            traced = int8(inputs_embeds=embeds).last_hidden_state.detach()
+    assert expected[0].isnan().all() and expected[1:].isfinite().all()
+    for got in (kernel, traced):
+        assert got[0].isnan().all() and got[1:].isfinite().all()
+        assert F.cosine_similarity(got[1:], expected[1:], dim=-1).min() >= 0.99
+
+
 def test_bad_calibration_is_refused(minilm_dir):
     model = bi.BertImplModel.from_pretrained(minilm_dir)
     with pytest.raises(ValueError, match="calibration"):

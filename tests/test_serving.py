@@ -6,7 +6,9 @@ changing it afterwards (through the parameter, through `.data`, by `load_state_d
 model's answers; training an inference model is refused; loading and calling under `torch.inference_mode()` works."""
 
 import copy
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -344,3 +346,41 @@ def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir):
         got, want = adapted(**inputs).last_hidden_state, adapted_plain(**inputs).last_hidden_state
     assert len(fused_calls) == 12
     assert (got - want).abs().max() < 1e-5 < (got - expected).abs().max()
+
+
+ONEDNN_CACHES = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+import modeling_bert_impl as bi
+from test_modeling import SMALL
+model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+ids = torch.randint(1, SMALL["vocab_size"], (2, 9))
+with torch.no_grad():
+    model(input_ids=ids)  # the model as loaded runs no oneDNN product
+try:
+    optimized = bi.optimize_for_inference(model)
+except ValueError as error:
+    print("refused:", error)
+else:
+    with torch.no_grad():
+        assert (optimized(input_ids=ids).last_hidden_state - model(input_ids=ids).last_hidden_state).abs().max() < 1e-5
+    print("caches:", os.environ["LRU_CACHE_CAPACITY"], os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])
+"""
+
+
+@pytest.mark.parametrize("lru", ["0", "32", None], ids=["LRU_CACHE_CAPACITY=0", "LRU_CACHE_CAPACITY=32", "unset"])
+def test_onednn_caches_are_bounded_and_a_cache_turned_off_is_refused(lru):
+    """In a process of its own (both caches are sized at oneDNN's first use): where the environment does not size
+    oneDNN's caches the engine sets them to CACHE_CAPACITY entries; a size given is kept; LRU_CACHE_CAPACITY=0, with
+    which torch's packed products crash the process (SIGSEGV), is refused by name, and the model as loaded still
+    runs."""
+    env = {k: v for k, v in os.environ.items() if k not in packed_linear.CACHES}
+    if lru is not None:
+        env["LRU_CACHE_CAPACITY"] = lru
+    done = subprocess.run([sys.executable, "-c", ONEDNN_CACHES.format(tests=str(Path(__file__).resolve().parent))],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    capacity = packed_linear.CACHE_CAPACITY
+    expected = {"0": "refused: LRU_CACHE_CAPACITY=0: optimize_for_inference's oneDNN products crash (SIGSEGV",
+                "32": f"caches: 32 {capacity}", None: f"caches: {capacity} {capacity}"}[lru]
+    assert done.stdout.startswith(expected), done.stdout

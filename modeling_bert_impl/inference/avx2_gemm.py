@@ -1,15 +1,12 @@
 """The program's products and attention on an AVX2 CPU: C++ kernels of our own, `bert_impl::sgemm`, `qgemm` and
 `attention` (csrc/sgemm_avx2.cpp).
 
-On an AVX2 CPU (no AVX-512) oneDNN's float32 products are what keeps a short query slower than ONNX Runtime: the 24
-products of all-MiniLM-L6-v2 on 16 rows take oneDNN 5.6-6.2 ms, ONNX Runtime's MLAS 3.3-3.7 ms (an AVX2 Zen 3, 2
-threads, each engine alone: benchmarks/RESULTS.md, "ninth pass"). The kernel streams each weight once, in the order it
-is stored: packed into panels of 16 output columns (`pack`), each 6 rows x 16 columns of the output summed in AVX
-registers, the next panel fetched into the cache meanwhile, the threads taking the panels one at a time (a core slowed
-by another process takes fewer). In a compiled program the same 24 products took 4.1 ms at 16 rows (before the prefetch;
-ONNX Runtime 4.4, oneDNN 7.4 in that run) and 22.0 ms at 128 (21.5, 26.8); with the GELU in the product and the work
-shared, the whole model answers a 16-token query in 4.45 ms (ONNX Runtime 5.78) and a 128-token one in 23.75 ms (25.58:
-bench_engines.py run AA, benchmarks/RESULTS.md, "eleventh pass").
+On an AVX2 CPU (no AVX-512) oneDNN's float32 products are what keeps a short query slower than ONNX Runtime, whose
+MLAS products take well under their time on few rows. The kernel streams each weight once, in the order it is stored:
+packed into panels of 16 output columns (`pack`), each 6 rows x 16 columns of the output summed in AVX registers, the
+next panel fetched into the cache meanwhile, the threads taking the panels one at a time (a core slowed by another
+process takes fewer). In a compiled program, with the GELU in the product and the work shared, the whole model answers
+short and 128-token queries faster than ONNX Runtime there (benchmarks/NOTES.md, "the AVX2 kernels").
 
 int8 (`quantize_for_inference`): `bert_impl::qgemm` computes `Int8Linear`'s whole traced formulation, its product in
 integers (`KernelInt8Linear`). Each row is scaled by the smoothing scales, divided by its largest magnitude and
@@ -18,24 +15,23 @@ weight is packed in panels of 16 columns x 4 inputs (`pack_int8`). vpmaddubsw ad
 int16, which the 7-bit weights of a CPU without VNNI keep in range (`quantization.weight_levels`), and vpmaddwd sums the
 pairs into int32 (one row's step in assembly: `qstep`); the row's scale and the bias are applied to the sums in
 registers. It replaces oneDNN's non-VNNI int8 product, which repacked its weight on every call, and inductor's passes
-over memory around it: the int8 program answers a 16-token query in 3.05-3.31 ms, ONNX Runtime's int8 in 3.42-4.67 ms
-(was 5.21 against 2.96 with oneDNN's products); alternating with ONNX Runtime int8, a 128-token query in 0.86-0.89x its
-time and a dense 64 x 128 batch at 1.06-1.08x its throughput (benchmarks/RESULTS.md, "tenth pass").
+over memory around it: with it the int8 program overtook ONNX Runtime's int8 on short queries, 128-token queries and
+dense batches (benchmarks/NOTES.md, "the AVX2 kernels").
 
 Attention (`bert_impl::attention`, float32 and int8 programs alike): softmax(q k^T * scaling) v of each head on the
 fused q, k, v product as it comes, its two products by sgemm's blocks over k and v packed in panels, each row's softmax
-in between (Cephes' exp, 8 at a time). At batch 1, all-MiniLM-L6-v2's 12 heads, 2 threads, alternating with torch's CPU
-flash attention (SDPA): 0.02-0.07 ms a layer against 0.10-0.25 at 16 tokens, 0.37-0.41 against 0.64-0.78 at 128.
+in between (Cephes' exp, 8 at a time): at batch 1 faster than torch's CPU flash attention (SDPA), most of all on short
+queries.
 
 `compile_for_inference` runs the encoder's linear layers (and the pooler's) and attention through them
 (`kernel_modules`) where `chosen`: an AVX2 CPU on Linux x86-64, the kernels built (and, for int8, weights of 7 bits).
 They are built once per torch release and source, with the C++ compiler that inductor uses (which compiling the program
-needs too: 11-16 s on 2 cores), into inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`), and loaded into the
+needs too), into inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`), and loaded into the
 process (`load`). A package compiled with them needs them loaded to load: `compile_for_inference` builds or finds them
 first. A float32 feed-forward's exact GELU is taken in its first product's store (`gelu8`: a rational approximation of
-erf, the GELU within 2.2e-7 max(1, |x|) of float64's; inductor's loop after the product took 1.7 ms more of a 30 ms
-call at 1 x 128). sgemm's sums run over the input in order, one float32 FMA at a time, qgemm's are exact integers: the
-programs' outputs are within 1e-5 of the eager paths' (tests/test_avx2_gemm.py).
+erf, the GELU within 2.2e-7 max(1, |x|) of float64's; cheaper than inductor's loop after the product). sgemm's sums
+run over the input in order, one float32 FMA at a time, qgemm's are exact integers: the programs' outputs are within
+1e-5 of the eager paths' (tests/test_avx2_gemm.py).
 """
 
 import functools
@@ -205,8 +201,8 @@ def kernel_product(layers: list[nn.Module], gelu: bool = False) -> nn.Module:
 def kernel_modules(base: nn.Module):
     """While tracing the program: in each layer, the self-attention replaced by a `KernelAttention` on one product of
     query, key and value, and the other linear layers by the kernel's products (`kernel_product`), the feed-forward's
-    exact GELU taken in its first product's (the activation then an identity); the pooler's product too (through
-    oneDNN it took 0.17 ms of a 26 ms call at 1 x 128). Put back after."""
+    exact GELU taken in its first product's (the activation then an identity); the pooler's product too (faster than
+    oneDNN's there as well). Put back after."""
     targets = []
     for layer in base.encoder.layer:
         attention, intermediate = layer.attention.self, layer.intermediate

@@ -1,12 +1,11 @@
 """The model compiled ahead of time for CPU inference: `compile_for_inference(model, package_path)`.
 
-A single short query is where eager PyTorch loses to ONNX Runtime: at batch 1 x 16 tokens all-MiniLM-L6-v2's 24 products
-take 2.9 ms, and the dozen other operations of each layer, each dispatched from Python, add 2 ms more even on the fused
-path (fused_layers.py). `compile_for_inference` exports the encoder's forward on a batch and its attention mask
-(`torch.export`, batch and length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a package
-(.pt2): one C++ program with the weights frozen in oneDNN's layout (on an AVX2 CPU: in the panels of our own product
-and attention kernels, avx2_gemm.py, faster there than oneDNN's and SDPA), the small operations fused into loops, no
-Python between them.
+A single short query is where eager PyTorch loses to ONNX Runtime: the products are small, and the dozen other
+operations of each layer, each dispatched from Python, cost as much again even on the fused path (fused_layers.py).
+`compile_for_inference` exports the encoder's forward on a batch and its attention mask (`torch.export`, batch and
+length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a package (.pt2): one C++ program with
+the weights frozen in oneDNN's layout (on an AVX2 CPU: in the panels of our own product and attention kernels,
+avx2_gemm.py, faster there than oneDNN's and SDPA), the small operations fused into loops, no Python between them.
 The inference model it returns (a copy of the model given, with `optimize_for_inference`'s packed weights and fused
 layers: frozen_model.py) runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch without
 padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8 model a padded one too, as
@@ -14,19 +13,19 @@ the eager path lays it out (bert_padding.py): its sequences sorted by length and
 longest, one run per group, so that the products skip nearly all the padding. The heads run on its outputs as before,
 and everything else (float32's padded batches, whose eager path is as fast; hidden states or attention maps asked for,
 packed batches, inputs that need gradients, hooks or replaced modules) stays the eager path, `optimize_for_inference`'s.
-Figures: benchmarks/RESULTS.md, "compile_for_inference". An int8 model (`quantize_for_inference`) compiles too, its
-products inductor's own C++ int8 GEMM in the program on a CPU with AVX-512 VNNI (`INT8_CONFIGS`), our int8 kernel on
-an AVX2 CPU (avx2_gemm.py), oneDNN's elsewhere: the program computes `Int8Linear`'s traced formulation, whose
-activations round a little differently from the eager int8 kernel's (and, on some shapes, the template's fused
-quantizing rounds a few differently again).
+An int8 model (`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program on a
+CPU with AVX-512 VNNI (`INT8_CONFIGS`), our int8 kernel on an AVX2 CPU (avx2_gemm.py), oneDNN's elsewhere: the program
+computes `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's
+(and, on some shapes, the template's fused quantizing rounds a few differently again).
 
-Opting in, not the default: the compile takes a C++ compiler and 18-22 s (all-MiniLM-L6-v2, 2 cores; on an AVX2 CPU
-11-16 s more the first time, to build the kernels into inductor's cache), and the package, loaded, holds one more copy
-of the encoder's weights (93 MB there). Compile once, keep the package, and load it in the serving processes: a
-`package_path` that exists is loaded, after checking that it was compiled from these weights (a fingerprint of them,
-taken at the call, is in its metadata) with this torch for this CPU's vector instructions (its code uses them), never
-written over. A package compiled with the kernels needs them where
-it is loaded: built there (the same compiler) or found in the cache.
+Opting in, not the default: the compile takes a C++ compiler and tens of seconds (more the first time on an AVX2 CPU,
+to build the kernels into inductor's cache), and the package, loaded, holds one more copy of the encoder's weights.
+Compile once, keep the package, and load it in the serving processes: a `package_path` that exists is loaded, never
+written over. A package is executable code (its shared object runs when loaded), so it is read as a zip archive first
+(package_file.py): refused, before any of its code runs, where it is damaged (its content against the SHA-256 written
+into it at compile time) or was compiled from other weights (a fingerprint of them), with another torch, or for other
+vector instructions (its code uses them). A package compiled with the AVX2 kernels needs them where it is loaded: built
+there (the same compiler) or found in the cache.
 """
 
 import functools
@@ -48,11 +47,12 @@ from ..modeling_bert_impl import BertImplModel
 from ..torch_support import require_torch
 from .frozen_model import InferenceModule, ModuleTree, inference_class, inference_copy
 from .fused_layers import UNMASKED_ATTENTION, group_size
+from .package_file import read_manifest, write_manifest
 from .packed_linear import untraced
 from .quantization import Int8Linear
 from .serving import base_of, optimize_copy
 
-FORMAT = "bert-impl compiled model 5"  # what the package's metadata says it holds; a new layout gets a new number
+FORMAT = "bert-impl compiled model 6"  # what the package's metadata says it holds; a new layout gets a new number
 
 
 class Program(nn.Module):
@@ -73,14 +73,17 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     `quantize_for_inference` made of one; the model itself is not changed) whose encoder runs as a program compiled
     ahead of time, in eval mode, refusing training with a ValueError.
 
-    `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it was compiled from
-    the same weights by the same torch for the same CPU instructions (else a ValueError says what differs); None
-    compiles into a temporary file. Calls with `input_ids` (batch 1, dense batches, at least 2 tokens, at most 64 in all
-    in float32 on an AVX2 CPU: `token_limit`; padded batches too in an int8 model), no hidden states or attention maps
-    asked for, no labels, inputs that need no gradient, run the encoder (embeddings, layers, pooler) as that program (a
-    padded batch once per group of sequences of similar length); the heads run as before, and every other call runs
-    `optimize_for_inference`'s path. The weights are the model's at this call: changing the model afterwards does not
-    change the inference model (compile again). An int8 model's program runs `Int8Linear`'s traced formulation."""
+    `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it is whole (its
+    content matches the SHA-256 written into it) and was compiled from the same weights by the same torch for the same
+    CPU instructions (else a ValueError says what is wrong, before any of the package's code runs); None compiles into a
+    temporary file. A package is executable code, as a pickle is: load only packages you compiled or trust (the digest
+    finds damage, not a package someone rewrote). Calls with `input_ids` (batch 1, dense batches, at least 2 tokens, at
+    most 64 in all in float32 on an AVX2 CPU: `token_limit`; padded batches too in an int8 model), no hidden states or
+    attention maps asked for, no labels, inputs that need no gradient, run the encoder (embeddings, layers, pooler) as
+    that program (a padded batch once per group of sequences of similar length); the heads run as before, and every
+    other call runs `optimize_for_inference`'s path. The weights are the model's at this call: changing the model
+    afterwards does not change the inference model (compile again). An int8 model's program runs `Int8Linear`'s traced
+    formulation."""
     require_torch("compile_for_inference")
     base = base_of(model)
     if not isinstance(base, BertImplModel):
@@ -96,9 +99,14 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     frozen = optimize_copy(inference_copy(model, "compile_for_inference"))
     frozen_base = base_of(frozen)
     if package_path is not None and os.path.exists(package_path):
-        runner = load_package(frozen_base, os.fspath(package_path))
-        check_metadata(runner.get_metadata(), metadata, os.fspath(package_path))
+        package_path = os.fspath(package_path)
+        manifest = read_manifest(package_path, FORMAT)  # the file checked as a zip archive: none of its code runs
+        check_metadata(manifest, metadata, package_path)
+        runner = load_package(package_path, manifest["kernels"])
     else:
+        if (compiler := missing_compiler()) is not None:
+            raise ValueError(f"model: compile_for_inference compiles with a C++ compiler, and {compiler} is not on "
+                             f"PATH: {INSTALL_COMPILER}; or give package_path a package compiled for this CPU")
         if package_path is None:
             package_path = os.path.join(tempfile.mkdtemp(prefix="bert_impl_"), "model.pt2")
         runner = compile_package(frozen_base, os.fspath(package_path), metadata)
@@ -170,13 +178,12 @@ def config_default(value, default):
 
 
 # An int8 model's products through inductor's own C++ GEMM template (VNNI micro-kernels, the per-token quantizing and
-# the rescaling fused around them) instead of oneDNN's: on all-MiniLM-L6-v2, 2 threads, in one process, 25-30% less time
-# per 16-token query, level at 128 tokens, about 3% more on batches of 64 (benchmarks/RESULTS.md, "fifth pass"). The
-# arithmetic is the same int32 one; activations round a little differently (mean cosine with float32 0.9985 either way).
-# Only where the CPU has AVX-512 VNNI: the template has no other int8 micro-kernel than a scalar one (an AVX2 CPU took
-# 72 ms per 16-token query, oneDNN's qlinear 5.2 ms: RESULTS.md, "sixth pass"). float32 stays on oneDNN: the template
-# took twice its time there. ATEN beside it: torch 2.15's template offers no choice for the float products of an int8
-# model's program (inductor then refuses to compile), so autotuning needs another.
+# the rescaling fused around them) instead of oneDNN's: faster on short queries, level on long ones and dense batches.
+# The arithmetic is the same int32 one; activations round a little differently (as accurate against float32).
+# Only where the CPU has AVX-512 VNNI: the template has no other int8 micro-kernel than a scalar one, an order of
+# magnitude slower than oneDNN's qlinear on an AVX2 CPU. float32 stays on oneDNN: the template was slower there.
+# ATEN beside it: torch 2.15's template offers no choice for the float products of an int8 model's program (inductor
+# then refuses to compile), so autotuning needs another. (benchmarks/NOTES.md, "int8 products in the compiled program")
 INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -192,11 +199,9 @@ def gemm_configs(base: BertImplModel) -> dict:
 
 def token_limit(base: BertImplModel) -> int | None:
     """The most tokens (batch x length) a call may have to run the program; None for no limit. On an AVX2 CPU (no
-    AVX-512) the float32 program with oneDNN's products is faster than the eager path up to 64 tokens and slower beyond
-    (an AVX2 Zen 3: 0.81x its time at 1 x 16, 1.00x at 1 x 64, 1.13x at 1 x 128, 1.17x at 16 x 128; RESULTS.md,
-    "sixth pass"); with our kernel's (avx2_gemm.py) up to 512 (0.90-0.92x at 1 x 128, 0.90x at 1 x 256, 0.95x at
-    4 x 128), and beyond that the two are within the noise (0.92-1.10x at 16 x 128, 0.99-1.04x at 64 x 128: RESULTS.md,
-    "ninth pass"). On AVX-512 and in int8 it is faster at every size measured."""
+    AVX-512) the float32 program with oneDNN's products is faster than the eager path up to 64 tokens and slower beyond;
+    with our kernel's (avx2_gemm.py) up to 512, and beyond that the two are within the noise. On AVX-512 and in int8 it
+    is faster at every size measured (benchmarks/NOTES.md, "the compiled program's token limit")."""
     if torch.backends.cpu.get_cpu_capability() != "AVX2" or int8(base):
         return None
     return 512 if avx2_gemm.chosen(base) else 64
@@ -208,38 +213,57 @@ def cpu_instructions() -> str:
     return torch.backends.cpu.get_cpu_capability() + (" VNNI" if torch.cpu._is_vnni_supported() else "")
 
 
-def load_package(base: BertImplModel, package_path: str):
-    """The package's program, loaded. Where `compile_package` would run the products and attention through our AVX2
-    kernels (avx2_gemm.py), they are loaded first (built if they are not in the cache): a package compiled with them
-    needs them."""
-    avx2_gemm.chosen(base)  # loads the kernels where the program would run them
+INSTALL_COMPILER = "install it (e.g. `apt install g++`), or name an installed one in CXX before starting Python"
+
+
+def missing_compiler() -> str | None:
+    """The C++ compiler inductor builds with (CXX, else g++), named where it is not found; None where it is."""
+    from torch._inductor import config
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
     try:
-        return torch._inductor.aoti_load_package(package_path)
-    except RuntimeError as error:
-        missing = [op for op in avx2_gemm.OPS if op in str(error)]
-        if not missing:
-            raise
+        get_cpp_compiler()
+        return None
+    except InvalidCxxCompiler:
+        names = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
+        return " or ".join(name for name in names if name)
+
+
+def load_package(package_path: str, kernels: bool):
+    """The package's program, loaded (its manifest checked: `read_manifest`). A package compiled with our AVX2 kernels
+    (`kernels`: avx2_gemm.py) needs them loaded first, built here if they are not in inductor's cache."""
+    if kernels:
         why = avx2_gemm.load() if avx2_gemm.supported() else "this CPU is not AVX2 on Linux x86-64"
-        raise ValueError(f"package_path: {package_path} runs bert-impl's AVX2 kernel {missing[0]}, which "
-                         f"could not be loaded here ({why}); compile the model again here") from error
+        if why is not None:
+            compiler = missing_compiler()
+            raise ValueError(
+                f"package_path: {package_path} calls bert-impl's AVX2 kernels (avx2_gemm.py), which are built "
+                + (f"here once with a C++ compiler, and {compiler} is not on PATH: {INSTALL_COMPILER}"
+                   if compiler is not None else f"here once and could not be ({why}); compile the model again here")
+                + ". (A package compiled where the CPU has AVX-512 runs oneDNN's products: loading it needs no "
+                "compiler.)")
+    return torch._inductor.aoti_load_package(package_path)
 
 
 def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str]):
     """Export the forward with batch and length dynamic, compile it with AOTInductor (weights frozen in oneDNN's
-    layout, or on an AVX2 CPU in our kernels' panels: avx2_gemm.py), write the package and load it."""
+    layout, or on an AVX2 CPU in our kernels' panels: avx2_gemm.py), write the package with its manifest
+    (`write_manifest`: `metadata`, whether it calls our kernels, its digest) and load it."""
     # (B, T) an example; the program takes any B >= 1, 2 <= T <= positions. Contiguous, as the program's inputs will be:
     # AOTInductor compiles for the example's strides (positions expanded over the batch would be read from row 0 only).
     ids = torch.ones(2, 8, dtype=torch.long)
     example = (ids, torch.ones_like(ids), torch.zeros_like(ids), torch.arange(8).repeat(2, 1))
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
-    configs = {"freezing": True, "aot_inductor.metadata": metadata, **gemm_configs(base)}
-    kernels = avx2_gemm.kernel_modules(base) if avx2_gemm.chosen(base) else joint_attention(base)
-    with torch.no_grad(), kernels:
+    configs = {"freezing": True, **gemm_configs(base)}
+    kernels = avx2_gemm.chosen(base)
+    with torch.no_grad(), avx2_gemm.kernel_modules(base) if kernels else joint_attention(base):
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4)
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
                                                            inductor_configs=configs)
+    write_manifest(written, {**metadata, "kernels": kernels})
     return torch._inductor.aoti_load_package(written)
 
 
@@ -300,9 +324,9 @@ def fingerprint(base: BertImplModel) -> str:
 
 def model_output(hidden: torch.Tensor, pooled: torch.Tensor | None = None) -> BaseModelOutputWithPooling:
     """`BaseModelOutputWithPooling(hidden, pooled)` as its constructor builds it (every field an attribute, those not
-    None also items, in field order) without the dataclass's bookkeeping (a `fields()` walk on each assignment): on the
-    cold caches right after the program, the constructor took 65-70 µs of a 3.2 ms 16-token call. Tested equal to
-    the constructor's."""
+    None also items, in field order) without the dataclass's bookkeeping (a `fields()` walk on each assignment), which
+    on the cold caches right after the program is a visible part of a short query's time. Tested equal to the
+    constructor's."""
     out = BaseModelOutputWithPooling.__new__(BaseModelOutputWithPooling)
     out.__dict__.update(OUTPUT_FIELDS, last_hidden_state=hidden, pooler_output=pooled)
     OrderedDict.__setitem__(out, "last_hidden_state", hidden)
@@ -324,7 +348,7 @@ class CompiledEncoder:
         self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
         self.max_length = base.config.max_position_embeddings
         self.by_shape = {}  # (B, T) -> `constants`
-        # Padded batches: the program by groups for an int8 model (1.5-1.7x the eager int8 speed on mixed lengths);
+        # Padded batches: the program by groups for an int8 model (faster than the eager int8 path on mixed lengths);
         # float32's eager path lays them out the same way at the same speed or better, so it keeps them.
         self.padded_batches = int8(base)
         self.max_tokens = token_limit(base) or math.inf  # calls of more tokens take the eager path

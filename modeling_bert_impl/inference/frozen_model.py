@@ -16,6 +16,8 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
 
+from .packed_linear import bound_onednn_caches
+
 REFUSED = ("{what}: this is an inference model made by {engine}, whose weights were fixed then. Train (or load "
            "weights into) the model you passed to {engine}, then call {engine} again on it.")
 
@@ -61,7 +63,9 @@ def inference_class(cls: type) -> type:
 
 def inference_copy(model: nn.Module, engine: str) -> nn.Module:
     """A copy of `model` made an inference model by the function `engine`: eval mode, no parameter needing gradients,
-    and every transformers model in it (the head and its base model) refusing training (`InferenceModule`)."""
+    and every transformers model in it (the head and its base model) refusing training (`InferenceModule`). oneDNN's
+    caches are bounded first (`bound_onednn_caches`)."""
+    bound_onednn_caches(engine)
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
     for module in frozen.modules():
         module.made_by = engine  # named by the refusals, of the modules that get them now or later

@@ -11,6 +11,7 @@ and so does the exact (erf) GELU that the feed-forward block's first product ask
 (`fuse_gelu`).
 """
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -19,6 +20,13 @@ from torch import nn
 from transformers.activations import GELUActivation
 
 ONEDNN = torch.backends.mkldnn.is_available()
+# oneDNN keeps what it builds for each shape of a product in two caches, ideep's (LRU_CACHE_CAPACITY entries) and its
+# own primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 each by default: serving calls of many shapes filled them
+# to several hundred MB. The engine sets both to CACHE_CAPACITY where the process has not (`bound_onednn_caches`):
+# about 50 shapes of a BERT's products kept, the RSS of such a process flat. A shape not kept costs its product's
+# setup again (under a millisecond each).
+CACHE_CAPACITY = 256
+CACHES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 
 
 class Frozen:
@@ -32,6 +40,19 @@ class Frozen:
 
     def __deepcopy__(self, memo):
         return self
+
+
+def bound_onednn_caches(engine: str) -> None:
+    """Set oneDNN's caches to CACHE_CAPACITY entries each where the environment does not size them. Both are sized at
+    oneDNN's first use in the process, so the engine does this before its first packed weight: a process that ran
+    oneDNN before keeps the sizes it had. LRU_CACHE_CAPACITY=0 is refused with a ValueError: torch's packed and int8
+    oneDNN products crash the process (SIGSEGV) with ideep's cache off, at their first call."""
+    if os.environ.get("LRU_CACHE_CAPACITY", "").strip() == "0":
+        raise ValueError(f"LRU_CACHE_CAPACITY=0: {engine}'s oneDNN products crash (SIGSEGV, a torch bug) with oneDNN's "
+                         f"cache off; unset it (the engine then keeps {CACHE_CAPACITY} shapes' products), or set it to "
+                         "a small number of entries, before starting Python")
+    for name in CACHES:
+        os.environ.setdefault(name, str(CACHE_CAPACITY))
 
 
 def is_exact_gelu(act) -> bool:

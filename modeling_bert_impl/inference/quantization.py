@@ -5,15 +5,13 @@ VNNI: `weight_levels`), activations quantized on each call per token, products a
 `torch.ops.quantized.linear_dynamic` (oneDNN's kernels, VNNI / AMX, where the CPU has VNNI; FBGEMM's elsewhere:
 `engine`). Per token, not per tensor: BERT's hidden states have a few tokens and channels far larger than the rest, and
 one scale for a whole batch (as ONNX Runtime's `quantize_dynamic` and torch's legacy `quantize_dynamic` take) drowns the
-others: on all-MiniLM-L6-v2 and real text, per-tensor int8 of every encoder layer moves some token embeddings to a
-cosine similarity of 0.84 with fp32's. Per token it is 0.990, and 0.992 after SmoothQuant's channel balancing (Xiao et
-al. 2023): the input's channels are divided by s_c = max|x_c|^0.5 / max|W_c|^0.5 and the weight's columns multiplied by
-it, which needs the largest |x_c| each layer sees, from a few calibration batches of real text (random token ids give
-worse scales: 0.986). These figures are a VNNI CPU's, with each weight rounded to its nearest level; on an AVX2 one,
-with 7-bit weights, that gave 0.988. The weights are rounded by GPTQ instead (Frantar et al. 2023, `gptq_round`): column
-by column, each column's rounding error compensated in the columns not yet rounded, from the second moments of each
-layer's inputs on the calibration text: on that AVX2 CPU the minimum per-token cosine went from 0.9881 to 0.9939 (the
-mean from 0.9974 to 0.9985). Figures and speed: benchmarks/RESULTS.md, "int8", "sixth pass" to "eighth pass".
+others: per-tensor int8 of every encoder layer moves some token embeddings far from fp32's. Per token keeps them
+close, and closer after SmoothQuant's channel balancing (Xiao et al. 2023): the input's channels are divided by
+s_c = max|x_c|^0.5 / max|W_c|^0.5 and the weight's columns multiplied by it, which needs the largest |x_c| each layer
+sees, from a few calibration batches of real text (random token ids give worse scales). The weights are rounded by
+GPTQ (Frantar et al. 2023, `gptq_round`): column by column, each column's rounding error compensated in the columns not
+yet rounded, from the second moments of each layer's inputs on the calibration text, closer again than rounding each
+weight to its nearest level, most of all with the 7-bit weights of a CPU without VNNI (benchmarks/NOTES.md, "int8").
 
 How: linear_dynamic quantizes its input with one scale per call; dividing each row by its largest |value| first makes
 that one scale a per-token one, and the row's scale multiplies the output back (`Int8Linear.forward`).
@@ -50,9 +48,8 @@ ALPHA = 0.5  # SmoothQuant's migration strength: how much of an input channel's 
 
 
 def engine() -> str:
-    """The int8 kernels of the eager path: oneDNN's where the CPU has VNNI, FBGEMM's elsewhere, whose AVX2 products took
-    0.50-0.58x oneDNN's time at 16 rows and the model 0.56-0.62x at 1 x 16 tokens, as accurate (an AVX2 Zen 3:
-    benchmarks/RESULTS.md, "seventh pass")."""
+    """The int8 kernels of the eager path: oneDNN's where the CPU has VNNI, FBGEMM's elsewhere, whose AVX2 products are
+    faster than oneDNN's there and as accurate (benchmarks/NOTES.md, "int8")."""
     if torch.cpu._is_vnni_supported() or "fbgemm" not in torch.backends.quantized.supported_engines:
         return "onednn"
     return "fbgemm"
@@ -62,10 +59,8 @@ def weight_levels() -> int:
     """The largest |int8 weight|: 127 where the CPU has VNNI (its int8 products accumulate in int32), 63 elsewhere.
 
     Without VNNI (AVX2, AVX-512 before Cascade Lake) oneDNN's and FBGEMM's int8 products add each pair of uint8 x int8
-    products in int16 (vpmaddubsw), which saturates: 255 x 127 x 2 > 32767. That moved all-MiniLM-L6-v2's token
-    embeddings to a per-token cosine of 0.953 with float32's (an AVX2 Zen 3, oneDNN). Weights of 7 bits keep every pair
-    sum in range (255 x 63 x 2 = 32130): per-token cosine min 0.988 with either kernel rounding to the nearest level,
-    0.9939 (traced 0.9938) rounding by GPTQ, mean 0.9985 (benchmarks/RESULTS.md, "sixth pass" to "eighth pass")."""
+    products in int16 (vpmaddubsw), which saturates: 255 x 127 x 2 > 32767, moving token embeddings far from float32's.
+    Weights of 7 bits keep every pair sum in range (255 x 63 x 2 = 32130) (benchmarks/NOTES.md, "int8")."""
     return 127 if torch.cpu._is_vnni_supported() else 63
 
 
@@ -161,7 +156,9 @@ class Int8Linear(nn.Module):
         row_max = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # (..., 1)
         x = x / row_max  # rows in [-1, 1]: one scale per call fits every token
         if untraced_inference():
-            y = torch.ops.quantized.linear_dynamic(x, self._packed[0], False)
+            # a row holding a NaN or an inf (its row_max NaN or inf) is zeroed for the kernel, whose one range over the
+            # call would otherwise have no ends: its output is NaN through row_max, the other rows' are untouched
+            y = torch.ops.quantized.linear_dynamic(x.nan_to_num_(0.0, 0.0, 0.0), self._packed[0], False)
         else:
             x = DECOMPOSED.dequantize_per_tensor(DECOMPOSED.quantize_per_tensor(x, *ROWS_UINT8), *ROWS_UINT8)
             w = DECOMPOSED.dequantize_per_channel(self.weight_int8, self.scale, self.zero_point, 0, -128, 127,

@@ -75,8 +75,8 @@ inline void store16(float* y, __m256 lo, __m256 hi, int64_t ncols) {
 // The exact (erf) GELU x (1 + erf(x / sqrt 2)) / 2, 8 at a time, for the feed-forward's first product: erf(x / sqrt 2)
 // as c P(c^2) / Q(c^2), c = x clamped to +-5.5437 (where erf is 1 in float32), P and Q of degree 5 in c^2 (a rational
 // least-squares fit, within 3e-8 of erf; 4e-7 evaluated in float32). The GELU is within 2.2e-7 max(1, |x|) of float64's
-// (torch's 1.6e-7), in about 16 operations: inductor's loop after the product (an exp and a division, 35) took 1.7 ms
-// more of a 30 ms call at 1 x 128 (benchmarks/RESULTS.md, "eleventh pass").
+// (torch's 1.6e-7), in about 16 operations: inductor's loop after the product (an exp and a division, 35) took
+// noticeably more (benchmarks/NOTES.md, "the AVX2 kernels").
 inline __m256 gelu8(__m256 x) {
   const __m256 most = _mm256_set1_ps(5.5437174f);
   const __m256 c = _mm256_max_ps(_mm256_min_ps(x, most), _mm256_sub_ps(_mm256_setzero_ps(), most));
@@ -202,17 +202,25 @@ inline void qblock(const uint8_t* a, int64_t K4, const int8_t* panel, const floa
 }
 
 // q = round(127 x s / m) + 128 (to even, as torch.round), saturated to [0, 255], m = max(max |x s|, 1e-12), with the
-// traced formulation's float32 steps (x s, then / m, then * 127): 32 at a time, then one by one; returns m
+// traced formulation's float32 steps (x s, then / m, then * 127): 32 at a time, then one by one; returns m. A NaN in
+// the row makes m NaN, as the formulation's amax does (vmaxps alone would drop it), so that the row's outputs are NaN.
 float quantize_row(const float* x, const float* smooth, int64_t K, uint8_t* q) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 top = _mm256_setzero_ps();
+  __m256 top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(smooth + k));
     top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   }
   float most = std::max(largest(top), 1e-12f);
-  for (; k < K; k++) most = std::max(most, std::abs(x[k] * smooth[k]));
+  bool any_nan = _mm256_movemask_ps(nan) != 0;
+  for (; k < K; k++) {
+    const float v = std::abs(x[k] * smooth[k]);
+    most = std::max(most, v);
+    any_nan |= std::isnan(v);
+  }
+  if (any_nan) most = std::numeric_limits<float>::quiet_NaN();
   const __m256 m = _mm256_set1_ps(most), s = _mm256_set1_ps(127.0f);
   const __m256i zero_point = _mm256_set1_epi32(128), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (k = 0; k + 32 <= K; k += 32) {
