@@ -6,7 +6,7 @@ MLAS products take well under their time on few rows. The kernel streams each we
 packed into panels of 16 output columns (`pack`), each 6 rows x 16 columns of the output summed in AVX registers, the
 next panel fetched into the cache meanwhile, the threads taking the panels one at a time (a core slowed by another
 process takes fewer). In a compiled program, with the GELU in the product and the work shared, the whole model answers
-short and 128-token queries faster than ONNX Runtime there (benchmarks/NOTES.md, "the AVX2 kernels").
+short and 128-token queries faster than ONNX Runtime there (benchmarks/NOTES.md, "The AVX2 program's kernels").
 
 int8 (`quantize_for_inference`): `bert_impl::qgemm` computes `Int8Linear`'s whole traced formulation, its product in
 integers (`KernelInt8Linear`). Each row is scaled by the smoothing scales, divided by its largest magnitude and
@@ -16,7 +16,7 @@ int16, which the 7-bit weights of a CPU without VNNI keep in range (`quantizatio
 pairs into int32 (one row's step in assembly: `qstep`); the row's scale and the bias are applied to the sums in
 registers. It replaces oneDNN's non-VNNI int8 product, which repacked its weight on every call, and inductor's passes
 over memory around it: with it the int8 program overtook ONNX Runtime's int8 on short queries, 128-token queries and
-dense batches (benchmarks/NOTES.md, "the AVX2 kernels").
+dense batches (benchmarks/NOTES.md, "The AVX2 program's kernels").
 
 Attention (`bert_impl::attention`, float32 and int8 programs alike): softmax(q k^T * scaling) v of each head on the
 fused q, k, v product as it comes, its two products by sgemm's blocks over k and v packed in panels, each row's softmax

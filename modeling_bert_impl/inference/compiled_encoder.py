@@ -183,7 +183,7 @@ def config_default(value, default):
 # Only where the CPU has AVX-512 VNNI: the template has no other int8 micro-kernel than a scalar one, an order of
 # magnitude slower than oneDNN's qlinear on an AVX2 CPU. float32 stays on oneDNN: the template was slower there.
 # ATEN beside it: torch 2.15's template offers no choice for the float products of an int8 model's program (inductor
-# then refuses to compile), so autotuning needs another. (benchmarks/NOTES.md, "int8 products in the compiled program")
+# then refuses to compile), so autotuning needs another. (benchmarks/NOTES.md, "int8", on inductor's C++ int8 GEMM)
 INT8_CONFIGS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -201,7 +201,7 @@ def token_limit(base: BertImplModel) -> int | None:
     """The most tokens (batch x length) a call may have to run the program; None for no limit. On an AVX2 CPU (no
     AVX-512) the float32 program with oneDNN's products is faster than the eager path up to 64 tokens and slower beyond;
     with our kernel's (avx2_gemm.py) up to 512, and beyond that the two are within the noise. On AVX-512 and in int8 it
-    is faster at every size measured (benchmarks/NOTES.md, "the compiled program's token limit")."""
+    is faster at every size measured (benchmarks/NOTES.md, "`compile_for_inference`", the token limit on AVX2)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX2" or int8(base):
         return None
     return 512 if avx2_gemm.chosen(base) else 64

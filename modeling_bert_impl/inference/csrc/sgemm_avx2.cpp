@@ -76,7 +76,7 @@ inline void store16(float* y, __m256 lo, __m256 hi, int64_t ncols) {
 // as c P(c^2) / Q(c^2), c = x clamped to +-5.5437 (where erf is 1 in float32), P and Q of degree 5 in c^2 (a rational
 // least-squares fit, within 3e-8 of erf; 4e-7 evaluated in float32). The GELU is within 2.2e-7 max(1, |x|) of float64's
 // (torch's 1.6e-7), in about 16 operations: inductor's loop after the product (an exp and a division, 35) took
-// noticeably more (benchmarks/NOTES.md, "the AVX2 kernels").
+// noticeably more (benchmarks/NOTES.md, "The AVX2 program's kernels").
 inline __m256 gelu8(__m256 x) {
   const __m256 most = _mm256_set1_ps(5.5437174f);
   const __m256 c = _mm256_max_ps(_mm256_min_ps(x, most), _mm256_sub_ps(_mm256_setzero_ps(), most));
