@@ -1,10 +1,11 @@
 """Linear layers on oneDNN's packed weights, for CPU inference models (`optimize_for_inference`).
 
 Where there is no padding to skip (batch 1, dense batches), the encoder's time on CPU is mostly its linear layers, which
-`F.linear` runs at 1.4x-1.7x the time of the same products with their weights laid out once in oneDNN's blocked format.
+`F.linear` runs markedly slower than the same products with their weights laid out once in oneDNN's blocked format
+(benchmarks/NOTES.md, "Packed weights and fused layers (`optimize_for_inference`)").
 An inference model's weights are fixed when it is made, so each weight is packed once, then: `PackedLinear` holds its
 packed copy, and the fused layers (fused_layers.py) call `packed_product` on them. The packed copy costs one more copy
-of the weight (all-MiniLM-L6-v2's encoder: 10.6M floats, 42 MB).
+of the weight.
 
 `activation` is applied to the output and `residual` added to it; the residual sum runs inside the same oneDNN call,
 and so does the exact (erf) GELU that the feed-forward block's first product asks for, on a CPU with AVX-512
