@@ -21,6 +21,14 @@ TRACING_TORCH = (2, 13)
 TRACING_SUPPORTED = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= TRACING_TORCH
 
 
+def require_tracing_torch(feature: str, instead: str) -> None:
+    """A ValueError where `feature` traces the model (or compiles with inductor) and this torch is older than
+    TRACING_TORCH. `instead`: what the user can do without upgrading."""
+    if not TRACING_SUPPORTED:
+        raise ValueError(f"{feature} needs torch >= {'.'.join(map(str, TRACING_TORCH))} (installed: "
+                         f"{torch.__version__}); upgrade torch, {instead}")
+
+
 class ValueCheck(NamedTuple):
     value: torch.Tensor  # 0-d
     low: float  # lowest allowed
@@ -51,10 +59,7 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
                            cu_seq_lens_k, marked, T) + list(label_checks)
 
     if torch.compiler.is_compiling():
-        if not TRACING_SUPPORTED:
-            raise ValueError(f"tracing a bert-impl model (torch.compile, torch.export) needs torch >= "
-                             f"{'.'.join(map(str, TRACING_TORCH))} (installed: {torch.__version__}); upgrade torch, "
-                             "or run the model eagerly")
+        require_tracing_torch("tracing a bert-impl model (torch.compile, torch.export)", "or run the model eagerly")
         if checks:
             device = checks[0].value.device
             values = torch.stack([c.value.double().to(device) for c in checks])

@@ -45,7 +45,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, packed_position_ids
 from .configuration_bert_impl import BertImplConfig
-from .input_checks import IGNORE_INDEX, check_inputs, class_label_checks, position_label_checks
+from .input_checks import IGNORE_INDEX, check_inputs, class_label_checks, position_label_checks, require_tracing_torch
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -423,6 +423,11 @@ class BertImplPreTrainedModel(PreTrainedModel):
     accepts_loss_kwargs = False
     # Older stock checkpoints carry the position-id buffer.
     _keys_to_ignore_on_load_unexpected = [r"embeddings\.position_ids"]
+
+    def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
+        """flex attention compiles its kernel with inductor, which fails on this model's masks before torch 2.13."""
+        require_tracing_torch("attn_implementation='flex_attention'", "or use 'sdpa' or 'eager'")
+        return super()._flex_attn_can_dispatch(is_init_check)
 
     def _init_weights(self, module):
         """PreTrainedModel's (Linear and Embedding ~ N(0, initializer_range), biases and the padding embedding zero,

@@ -576,6 +576,8 @@ def padded_and_packed_batches():
     return padded, packed, lengths
 
 
+@pytest.mark.skipif(not bi.input_checks.TRACING_SUPPORTED, reason=f"attn_implementation='flex_attention' needs torch "
+                    f">= 2.13 (installed: {torch.__version__}); its refusal: tests/test_torch_versions.py")
 def test_flex_attention_matches_sdpa_and_eager_on_the_padded_path():
     """flex_attention on CPU, fp32, padded path (unpad_inputs=False): a padded batch (right and left padding) and a
     packed one (block-diagonal mask: each sequence alone)."""

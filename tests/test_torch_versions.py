@@ -18,6 +18,7 @@ from test_modeling import SMALL  # noqa: E402
 
 OLD_TORCH = not input_checks.TRACING_SUPPORTED
 TRACING = "tracing a bert-impl model (torch.compile, torch.export)"
+FLEX = "attn_implementation='flex_attention'"
 needs_tracing = pytest.mark.skipif(
     OLD_TORCH, reason=f"{TRACING} needs torch >= {torch_support.NEEDS[TRACING]} (installed: {torch.__version__})")
 
@@ -43,7 +44,7 @@ def small_model():
 def test_the_features_and_their_versions_are_listed_once():
     """Every gated feature in NEEDS, each with a release above pyproject.toml's lowest torch."""
     lowest = re.search(r'"torch>=([\d.]+),', (Path(__file__).parents[1] / "pyproject.toml").read_text()).group(1)
-    assert set(torch_support.NEEDS) == {"compile_for_inference", "ONNX export", TRACING}
+    assert set(torch_support.NEEDS) == {"compile_for_inference", "ONNX export", TRACING, FLEX}
     for feature, needed in torch_support.NEEDS.items():
         assert torch_support.Version(needed) > torch_support.Version(lowest), feature
     assert torch_support.NEEDS[TRACING] == ".".join(map(str, input_checks.TRACING_TORCH))
@@ -67,3 +68,13 @@ def test_a_traced_forward_refuses(old_torch):
     with pytest.raises(ValueError, match=refusal(TRACING, torch.__version__)):  # the check reads torch itself
         torch.export.export(small_model(), (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                             strict=False)
+
+
+def test_flex_attention_refuses(old_torch):
+    """Where the implementation is chosen: at load and at set_attn_implementation; the model stays on its own."""
+    with pytest.raises(ValueError, match=refusal(FLEX, torch.__version__)):  # the model reads torch itself
+        bi.BertImplModel(bi.BertImplConfig(**SMALL, attn_implementation="flex_attention"))
+    model = small_model()
+    with pytest.raises(ValueError, match=refusal(FLEX, torch.__version__)):
+        model.set_attn_implementation("flex_attention")
+    assert model.config._attn_implementation != "flex_attention"
