@@ -219,6 +219,8 @@ def configure(model, implementation: str, layout: str):
 def skip_reason(implementation: str, dtype: torch.dtype) -> str | None:
     if implementation == "flash_attention_2" and dtype == torch.float32:
         return "flash-attention has no fp32 kernel"
+    if implementation == "flex_attention" and not bi.input_checks.TRACING_SUPPORTED:
+        return f"flex_attention needs torch >= 2.13 (installed: {torch.__version__}); its refusal: test_torch_versions.py"
     if implementation == "flex_attention" and not CUDA and dtype != torch.float32:
         return "flex_attention on CPU compiles an inductor C++ kernel per dtype (12-36 s on 2 cores): fp32 only here"
     return None

@@ -347,7 +347,9 @@ def test_time_budget_ends_the_run_on_time_with_the_schedule_at_its_end_and_a_loa
     assert scheduler["_last_lr"] == pytest.approx([lr_end] * len(scheduler["_last_lr"]), rel=1e-9)  # each group
     rates = [e["learning_rate"] for e in training_logs(out)]  # each step's: up over 10% of the time, then down
     top = int(np.argmax(rates))
-    assert 0.9e-3 < rates[top] <= 1e-3 and 0.02 < top / len(rates) < 0.3, (top, len(rates))
+    # The peak comes after 10% of the time, which is a fraction of the steps only as steady as their times are: a loaded
+    # machine put it at step 16 of 37 once.
+    assert 0.9e-3 < rates[top] <= 1e-3 and 0.02 < top / len(rates) < 0.5, (top, len(rates))
     assert all(a <= b for a, b in zip(rates[:top], rates[1:top + 1]))
     assert all(a >= b for a, b in zip(rates[top:], rates[top + 1:]))
     # The last step lands within a step or two of the budget's end: the rate is near lr_end, by at most two steps'

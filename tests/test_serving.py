@@ -330,9 +330,10 @@ def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir):
         norm.forward = lambda x: torch.zeros_like(x)  # a patched forward
         patched = model(**inputs).last_hidden_state
         del norm.forward
-        model.set_attn_implementation("flex_attention")
-        model(**inputs)
-        model.set_attn_implementation("sdpa")
+        if bi.input_checks.TRACING_SUPPORTED:  # flex attention refuses below torch 2.13 (test_torch_versions.py)
+            model.set_attn_implementation("flex_attention")
+            model(**inputs)
+            model.set_attn_implementation("sdpa")
         assert len(fused_calls) == 6 and len(seen) == 1 and (hooked - expected).abs().max() < 1e-5
         assert (patched - expected).abs().max() > 1e-3  # the patch ran
         model(**inputs)  # attention maps were asked for once: transformers' recording hooks do not count
