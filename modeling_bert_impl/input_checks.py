@@ -112,6 +112,19 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
     return B, T, BatchFacts(packed, padded, (packed or padded) and nnz > 0, nnz, max_seqlen, num_sequences)
 
 
+def split_cache_mask(attention_mask, cache_length: int, input_ids, inputs_embeds) -> tuple:
+    """A mask over C cached keys and the T tokens, (B, C + T), as peft's prefix tuning passes it, split into the tokens'
+    (B, T) mask and a check that the cached keys are all attended (ones). Any other mask is returned as it is."""
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    if attention_mask is None or not cache_length or tokens is None or tokens.dim() < 2 \
+            or attention_mask.shape[-1] != cache_length + tokens.shape[1]:
+        return attention_mask, []
+    cached = attention_mask[..., :cache_length] == 0
+    check = ValueCheck(cached.sum(), 0, 0, f"attention_mask's first {cache_length} columns cover the cache's keys "
+                       f"(prefix tuning's virtual tokens) and must be 1; {{}} of them are 0")
+    return attention_mask[..., cache_length:], [check]
+
+
 def _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
                   cu_seq_lens_k, seq_idx) -> tuple[int, int]:
     """Shapes and dtypes, on the host: B, T, or a ValueError."""

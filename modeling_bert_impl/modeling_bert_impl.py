@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
 from transformers.masking_utils import (
@@ -45,7 +46,14 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, packed_position_ids
 from .configuration_bert_impl import BertImplConfig
-from .input_checks import IGNORE_INDEX, check_inputs, class_label_checks, position_label_checks, require_tracing_torch
+from .input_checks import (
+    IGNORE_INDEX,
+    check_inputs,
+    class_label_checks,
+    position_label_checks,
+    require_tracing_torch,
+    split_cache_mask,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -95,11 +103,14 @@ class BertImplEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, cache_length: int = 0,
+                **kwargs):
+        """cache_length: C keys and values ahead of the tokens (prefix tuning's virtual tokens): positions start at C,
+        as in transformers' BERT (which named it `past_key_values_length` before 5.24)."""
         x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
-        T = x.shape[1]
+        T, C = x.shape[1], cache_length or kwargs.get("past_key_values_length", 0)
         if position_ids is None:
-            position_ids = torch.arange(T, device=x.device)[None]  # (1, T)
+            position_ids = torch.arange(C, C + T, device=x.device)[None]  # (1, T)
         if token_type_ids is None:
             token_type_ids = torch.zeros(T, dtype=torch.long, device=x.device)[None]  # (1, T)
         x = x + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
@@ -107,9 +118,9 @@ class BertImplEmbeddings(nn.Module):
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """The reference: softmax(q k^T * scaling + mask) v. q, k, v: (B, N, T, D); mask additive (B, 1, T|1, T).
-    Returns (B, T, N, D) and the attention weights (B, N, T, T)."""
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, N, T, T)
+    """The reference: softmax(q k^T * scaling + mask) v. q: (B, N, T, D); k, v: (B, N, C + T, D) with C cached keys
+    (usually 0); mask additive (B, 1, T|1, C + T). Returns (B, T, N, D) and the attention weights (B, N, T, C + T)."""
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, N, T, C + T)
     if attention_mask is not None:
         weights = weights + attention_mask
     weights = F.softmax(weights, dim=-1)
@@ -138,17 +149,23 @@ class BertImplSelfAttention(nn.Module):
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
     def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None,
-                output_attentions: bool = False, **kwargs):
+                output_attentions: bool = False, cache=None, **kwargs):
+        """cache: a transformers `Cache` holding C keys and values of each layer (prefix tuning's virtual tokens),
+        attended ahead of the tokens' own, as transformers' BERT does; padded path only. It is read, not extended (an
+        encoder generates nothing), so a layer recomputed by gradient checkpointing reads the same keys."""
         shape = (*hidden_states.shape[:-1], self.num_attention_heads, self.attention_head_size)  # (..., N, D)
         q, k, v = (proj(hidden_states).view(shape) for proj in (self.query, self.key, self.value))
         dropout = self.dropout.p if self.training else 0.0
         if layout is not None:  # (P, N, D) each
             return layout.attend(q, k, v, self.scaling, dropout).flatten(-2), None  # (P, H)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, N, T, D)
+        if cache is not None:
+            cached = cache.layers[self.layer_idx]
+            k, v = torch.cat([cached.keys, k], 2), torch.cat([cached.values, v], 2)  # (B, N, C + T, D)
         # Attention maps exist only on the eager path; asking for them selects it for this call.
         implementation = "eager" if output_attentions else self.config._attn_implementation
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        y, weights = attend(self, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
-                            scaling=self.scaling, dropout=dropout)  # (B, T, N, D)
+        y, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=dropout)  # (B, T, N, D)
         return y.reshape(hidden_states.shape).contiguous(), weights  # (B, T, H)
 
 
@@ -197,6 +214,8 @@ class BertImplOutput(BertImplSelfOutput):
 class BertImplLayer(GradientCheckpointingLayer):
     """Post-LN Transformer layer: attention, then the feed-forward, each with its residual and LayerNorm. (B, T, H) or
     the (P, H) rows of a padding-free `layout` -> the same shape."""
+
+    _can_checkpoint_with_cache = True  # read by transformers' gradient checkpointing: the cache is only read
 
     def __init__(self, config: BertImplConfig, layer_idx: int | None = None):
         super().__init__()
@@ -523,6 +542,8 @@ class BertImplModel(BertImplPreTrainedModel):
         max_length_q: int | None = None,
         max_length_k: int | None = None,
         seq_idx: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        past_key_values: Cache | None = None,
         label_checks: list | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
@@ -538,36 +559,45 @@ class BertImplModel(BertImplPreTrainedModel):
         computes values there that no real token depends on. A row of padding only pools a zero vector.
         `attention_mask` holds 0 (padding) and 1 (token), as bool, integers or floats; other values are refused.
         `label_checks`: a head's checks of its labels (input_checks.py), read with the encoder's own in one transfer.
+
+        `cache` (or `past_key_values`, its name before transformers 5.24, which peft passes): a transformers `Cache`
+        with C keys and values for every layer, attended ahead of the tokens' own, as PEFT's prefix tuning makes it;
+        positions then start at C, as in transformers' BERT. The padded path runs it; `attention_mask` is the tokens'
+        (B, T) or peft's (B, C + T) with ones over the C cached keys.
         """
         output_attentions = config_default(output_attentions, self.config.output_attentions)
         output_hidden_states = config_default(output_hidden_states, self.config.output_hidden_states)
+        cache = config_default(cache, past_key_values)
+        C = cache.get_seq_length() if cache is not None else 0  # cached keys ahead of the tokens (prefix tuning)
+        attention_mask, cache_checks = split_cache_mask(attention_mask, C, input_ids, inputs_embeds)  # (B, T)
         B, T, batch = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                   cu_seq_lens_q, cu_seq_lens_k, seq_idx, label_checks or ())
+                                   cu_seq_lens_q, cu_seq_lens_k, seq_idx, [*cache_checks, *(label_checks or ())])
         packs = (cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, batch.num_sequences)
                  if batch.packed else None)  # (S + 1,)
         if packs is not None and position_ids is None:
             position_ids = packed_position_ids(packs, T)  # (1, T)
 
-        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)  # (B, T, H)
-        layout = self._unpadded_layout(x, attention_mask, packs, batch, max_length_q, output_attentions)
+        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds, cache_length=C)  # (B, T, H)
+        layout = self._unpadded_layout(x, attention_mask, packs, batch, max_length_q, output_attentions, C)
         implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
         mask = None if layout is not None else self._padded_attention_mask(
-            x, attention_mask, packs, implementation, batch.padded)
+            x, attention_mask, packs, implementation, batch.padded, C)
         padded_stream = layout is None and attention_mask is not None and batch.padded is not False  # None: traced
         padding = (attention_mask == 0).unsqueeze(-1) if padded_stream else None  # (B, T, 1)
         encoded = self.encoder(x, mask, layout=layout, padding=padding, output_hidden_states=output_hidden_states,
-                               output_attentions=output_attentions)
+                               output_attentions=output_attentions, cache=cache)
         last = encoded.last_hidden_state  # (B, T, H)
         cls = self._first_tokens(last, attention_mask, packs, batch)  # (S, 1, H) or (B, T, H)
         pooled = self.pooler(cls) if self.pooler is not None else None
         return BaseModelOutputWithPooling(last_hidden_state=last, pooler_output=pooled,
                                           hidden_states=encoded.hidden_states)
 
-    def _unpadded_layout(self, x, attention_mask, packs, batch, max_length_q,
-                         output_attentions) -> UnpaddedLayout | None:
+    def _unpadded_layout(self, x, attention_mask, packs, batch, max_length_q, output_attentions,
+                         cache_length: int) -> UnpaddedLayout | None:
         """The padding-free layout of the batch, or None where the padded path runs: no padding to skip, the `eager`
-        attention or attention maps asked for (maps exist on the padded path only), or `config.unpad_inputs=False`."""
-        if not (batch.unpaddable and self.config.unpad_inputs and not output_attentions
+        attention or attention maps asked for (maps exist on the padded path only), cached keys to attend, or
+        `config.unpad_inputs=False`."""
+        if not (batch.unpaddable and self.config.unpad_inputs and not output_attentions and not cache_length
                 and self.config._attn_implementation != "eager"):
             return None
         return UnpaddedLayout.build(
@@ -589,18 +619,21 @@ class BertImplModel(BertImplPreTrainedModel):
         return last[torch.arange(last.shape[0], device=last.device), first][:, None]  # (B, 1, H)
 
     def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str,
-                               padding: bool | None = None):
+                               padding: bool | None = None, cache_length: int = 0):
         """The padded path's mask for x (B, T, H), made by transformers' mask interface in the form the attention
         implementation takes: additive float (B, 1, T, T) for eager (masked scores at the dtype's minimum, so a row
         that is all padding still gives finite, uniform attention), bool for sdpa, a BlockMask for flex attention, the
         (B, T) mask for flash attention; None when nothing is masked. A packed batch (`packed_cu_seqlens`, no padding)
         attends block-diagonally: each token to its own sequence only. `padding`: whether the batch has padding, as
         the forward's one host read found (None when traced): knowing it, transformers need not look into the mask for
-        itself (a second host-device sync).
+        itself (a second host-device sync). `cache_length`: C cached keys ahead of the T tokens' (prefix tuning),
+        always attended: the mask is then over C + T keys.
 
         sdpa without packing: the padding mask as it is, bool (B, 1, 1, T), the same for every query (SDPA broadcasts
         it), instead of transformers' copy of it for each query, (B, 1, T, T)."""
         B, T = x.shape[:2]
+        if cache_length and packed_cu_seqlens is not None:
+            raise ValueError("cached keys (cache / past_key_values, prefix tuning) need a padded batch, not a packed one")
         if padding is False:
             attention_mask = None  # all ones: nothing to mask but, for a packed batch, the sequence boundaries
         if attention_mask is None and packed_cu_seqlens is None:
@@ -616,12 +649,14 @@ class BertImplModel(BertImplPreTrainedModel):
             skip_if_unmasked = False
         if attention_mask is not None:
             attention_mask = attention_mask.to(device=x.device, dtype=torch.bool)  # (B, T)
+            if cache_length:
+                attention_mask = torch.cat([attention_mask.new_ones(B, cache_length), attention_mask], -1)  # (B, C + T)
             if implementation == "sdpa" and packed_cu_seqlens is None:
-                return attention_mask[:, None, None, :]  # (B, 1, 1, T)
+                return attention_mask[:, None, None, :]  # (B, 1, 1, C + T)
         return ALL_MASK_ATTENTION_FUNCTIONS[implementation](
-            batch_size=B, q_length=T, kv_length=T, mask_function=mask_function, attention_mask=attention_mask,
-            allow_is_causal_skip=False, allow_is_bidirectional_skip=skip_if_unmasked, dtype=x.dtype, device=x.device,
-            config=self.config,
+            batch_size=B, q_length=T, kv_length=cache_length + T, mask_function=mask_function,
+            attention_mask=attention_mask, allow_is_causal_skip=False, allow_is_bidirectional_skip=skip_if_unmasked,
+            dtype=x.dtype, device=x.device, config=self.config,
         )
 
 

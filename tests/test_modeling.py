@@ -725,3 +725,79 @@ def test_the_encoder_forward_reads_like_transformers():
     forward = inspect.unwrap(bi.BertImplModel.forward)
     assert decision_points(forward) <= 15, decision_points(forward)
     assert decision_points(lambda x: x if x and x > 1 else [y for y in x if y]) == 3  # the counter counts
+
+
+# --- cached keys (prefix tuning) ------------------------------------------------------------------------------------
+def cached_keys(model, hidden_states, C: int):
+    """A DynamicCache with the keys and values each layer computes for the first C tokens, from `hidden_states` (the
+    model's output_hidden_states on the whole sequence): what those tokens give the tokens after them."""
+    cache = transformers.DynamicCache()
+    for i, layer in enumerate(model.encoder.layer):
+        attention, h = layer.attention.self, hidden_states[i][:, :C]  # (B, C, H)
+        split = lambda t: t.view(*h.shape[:2], attention.num_attention_heads, -1).transpose(1, 2)  # noqa: E731
+        cache.update(split(attention.key(h)), split(attention.value(h)), i)  # (B, N, C, D) each
+    return cache
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("mask_over", ["cache and tokens", "tokens", "none"])
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_cached_keys_continue_the_sequence(attn, mask_over, name):
+    """Tokens after C cached keys (PEFT's prefix tuning) equal the same tokens after those C tokens in one sequence:
+    positions start at C and the cached keys are attended, as in transformers' BERT. Both argument names (transformers
+    renamed past_key_values to cache in 5.24; peft passes the old one) and both masks peft or a user passes."""
+    torch.manual_seed(0)
+    model = bi.BertImplModel(BertImplConfig(**SMALL, attn_implementation=attn)).eval()
+    B, C, T = 3, 4, 9
+    ids = torch.randint(1, 99, (B, C + T))
+    mask = torch.ones(B, C + T, dtype=torch.long)
+    if mask_over != "none":
+        mask[1, -3:] = 0  # padding after the second row's tokens
+    with torch.no_grad():
+        whole = model(ids, mask, output_hidden_states=True)
+        masks = {"cache and tokens": mask, "tokens": mask[:, C:], "none": None}
+        after = model(ids[:, C:], masks[mask_over], **{name: cached_keys(model, whole.hidden_states, C)})
+    assert after.last_hidden_state.shape == (B, T, SMALL["hidden_size"])
+    diff = (after.last_hidden_state - whole.last_hidden_state[:, C:]).abs().max().item()
+    assert diff < TOL, diff
+
+
+def test_cached_keys_refuse_a_masked_cache_and_a_packed_batch(small_model):
+    ids = torch.randint(1, 99, (2, 12))
+    with torch.no_grad():
+        whole = small_model(ids, output_hidden_states=True)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, 1] = 0  # one of the 4 cached keys masked
+    with pytest.raises(ValueError, match="attention_mask's first 4 columns .* must be 1; 1 of them are 0"):
+        small_model(ids[:, 4:], mask, cache=cached_keys(small_model, whole.hidden_states, 4))
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="need a padded batch, not a packed one"):
+        small_model(ids[:1, 4:], position_ids=packed,
+                    cache=cached_keys(small_model, [h[:1] for h in whole.hidden_states], 4))
+
+
+def test_cached_keys_are_read_not_extended_and_survive_gradient_checkpointing():
+    """The cache is the same after a call (an encoder extends nothing), so a layer that gradient checkpointing
+    recomputes reads the same keys: training with cached keys gives the same gradients, those of the cached keys too,
+    with checkpointing as without. (transformers' own layers drop a cache under checkpointing.)"""
+    torch.manual_seed(0)
+    config = BertImplConfig(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = bi.BertImplModel(config).train()
+    ids = torch.randint(1, 99, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, -4:] = 0
+    with torch.no_grad():
+        hidden = model(ids, mask, output_hidden_states=True).hidden_states
+    grads = []
+    for checkpointing in (False, True):
+        model.gradient_checkpointing_disable() if not checkpointing else model.gradient_checkpointing_enable()
+        with torch.no_grad():
+            cache = cached_keys(model, hidden, 4)
+        prefix = cache.layers[0].keys.requires_grad_()  # a leaf: its gradient is kept
+        model(ids[:, 4:], mask, cache=cache).pooler_output.square().sum().backward()
+        assert cache.get_seq_length() == 4
+        grads.append([prefix.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    assert grads[1][0].abs().max() > 0
+    for without, within in zip(*grads):
+        assert (without - within).abs().max() < TOL

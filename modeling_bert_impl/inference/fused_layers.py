@@ -93,11 +93,12 @@ class FusedEncoder(InferenceModule, BertImplEncoder):
         return BaseModelOutput(last_hidden_state=layout.repad(x) if layout is not None else x)  # (B, T, H)
 
     def fusable(self, x, attention_mask, padding, output_hidden_states, kwargs) -> bool:
-        """No mask to apply (a dense batch, or the padding-free layout), no hidden states or attention maps asked for,
-        an attention implementation whose arithmetic is `fused_layer`'s, CPU float32 inference, and the modules as
-        they were made (`ModuleTree`)."""
+        """No mask to apply (a dense batch, or the padding-free layout), no hidden states, attention maps or cached
+        keys, an attention implementation whose arithmetic is `fused_layer`'s, CPU float32 inference, and the modules
+        as they were made (`ModuleTree`)."""
         return (attention_mask is None and padding is None and not output_hidden_states
-                and not kwargs.get("output_attentions") and self.config._attn_implementation in UNMASKED_ATTENTION
+                and not kwargs.get("output_attentions") and kwargs.get("cache") is None
+                and self.config._attn_implementation in UNMASKED_ATTENTION
                 and cpu_inference(x) and self.tree.unchanged())
 
 
