@@ -5,8 +5,8 @@ machine, in turns in one process.
 transformers' example scripts are not installed and nothing is downloaded, so run_mlm.py's pipeline is reproduced
 here from transformers' public pieces, as run_mlm.py runs it without --line_by_line: the text data set's lines
 tokenized with special tokens (`return_special_tokens_mask=True`), concatenated and cut into blocks of
-max_seq_length (its `group_texts`, copied below: transformers does not export it), `DataCollatorForLanguageModeling`
-(15% masking, 80/10/10) and `Trainer` with `BertForMaskedLM` of the preset's sizes.
+max_seq_length (as its `group_texts` does, written here: transformers does not export it),
+`DataCollatorForLanguageModeling` (15% masking, 80/10/10) and `Trainer` with `BertForMaskedLM` of the preset's sizes.
 
 Each run trains --steps steps from a fresh model; its figure is real (non-padding) tokens / the Trainer's
 train_runtime (the whole training loop, first steps included, data preparation not): the recipe's train_tokens and
@@ -70,13 +70,15 @@ def write_corpus(path: Path, documents: int, seed: int = 0) -> None:
     path.write_text("\n\n".join(docs) + "\n")
 
 
-def group_texts(examples: dict, max_seq_length: int) -> dict:
-    """transformers' examples/pytorch/language-modeling/run_mlm.py `group_texts`: concatenate, cut into blocks of
-    max_seq_length, drop the remainder."""
-    concatenated = {k: list(chain(*examples[k])) for k in examples.keys()}
-    total = len(concatenated[list(examples.keys())[0]])
-    total = (total // max_seq_length) * max_seq_length
-    return {k: [t[i:i + max_seq_length] for i in range(0, total, max_seq_length)] for k, t in concatenated.items()}
+def blocks_of(examples: dict, max_seq_length: int) -> dict:
+    """What run_mlm.py's `group_texts` does to a batch of tokenized lines: every column's lists joined end to end and
+    cut into blocks of exactly max_seq_length, the tail shorter than a block dropped."""
+    blocks = {}
+    for column, lists in examples.items():
+        joined = list(chain.from_iterable(lists))
+        whole = len(joined) - len(joined) % max_seq_length
+        blocks[column] = [joined[start:start + max_seq_length] for start in range(0, whole, max_seq_length)]
+    return blocks
 
 
 def stock_config(preset: str, vocab_size: int) -> transformers.BertConfig:
@@ -95,7 +97,7 @@ def run_mlm_pipeline(args, corpus: Path, work: Path, name: str) -> float:
                                 split="train")
     tokenized = raw.map(lambda batch: tokenizer(batch["text"], return_special_tokens_mask=True), batched=True,
                         remove_columns=["text"])
-    blocks = tokenized.map(group_texts, batched=True, fn_kwargs={"max_seq_length": args.seq_len})
+    blocks = tokenized.map(blocks_of, batched=True, fn_kwargs={"max_seq_length": args.seq_len})
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(stock_config(args.preset, len(tokenizer)))
     training_args = transformers.TrainingArguments(

@@ -195,6 +195,11 @@ def test_training_an_inference_model_is_refused(minilm_dir):
             module.requires_grad_()
     with pytest.raises(ValueError, match=re.escape("load_state_dict(): this is an inference model")):
         optimized.load_state_dict(optimized.state_dict())
+    wrapper = torch.nn.ModuleDict({"model": optimized})  # as a PEFT model or other wrapper loads: module by module
+    weight = "model.bert.encoder.layer.0.attention.self.query.weight"
+    with pytest.raises(ValueError, match=re.escape(f"loading {weight}: this is an inference model")):
+        wrapper.load_state_dict({weight: torch.zeros(384, 384)}, strict=False)
+    assert optimized.bert.encoder.layer[0].attention.self.query.weight.abs().max() > 0
     assert not any(m.training for m in optimized.modules())
     assert optimized.eval() is optimized and optimized.train(False) is optimized
 

@@ -63,15 +63,35 @@ def inference_class(cls: type) -> type:
 
 def inference_copy(model: nn.Module, engine: str) -> nn.Module:
     """A copy of `model` made an inference model by the function `engine`: eval mode, no parameter needing gradients,
-    and every transformers model in it (the head and its base model) refusing training (`InferenceModule`). oneDNN's
-    caches are bounded first (`bound_onednn_caches`)."""
+    every transformers model in it (the head and its base model) refusing training (`InferenceModule`), and every
+    module refusing a state dict that holds its weights (`refuse_loads`). oneDNN's caches are bounded first
+    (`bound_onednn_caches`)."""
     bound_onednn_caches(engine)
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
     for module in frozen.modules():
         module.made_by = engine  # named by the refusals, of the modules that get them now or later
+        refuse_loads(module, engine)
         if isinstance(module, PreTrainedModel):
             module.__class__ = inference_class(type(module))
     return frozen
+
+
+def refuse_loads(module: nn.Module, engine: str) -> None:
+    """`module` refuses a state dict with a value for one of its own parameters or buffers, whatever loads it: a
+    wrapper's `load_state_dict` (PEFT's `PeftModel.from_pretrained` loading the classifier it trained) reaches the
+    module without its `load_state_dict`. The engine's fast paths hold copies made at its call (packed or quantized
+    weights, a compiled program), which such a load would leave as they were: a silent wrong answer. Adapter weights in
+    modules added later (LoRA's) still load. A copy of the module (peft's `modules_to_save`) keeps the refusal."""
+    names = [*module._parameters, *module._buffers]
+    if not names:
+        return
+
+    def refuse(state_dict, prefix, *args):
+        loaded = [prefix + name for name in names if prefix + name in state_dict]
+        if loaded:
+            raise ValueError(REFUSED.format(what=f"loading {loaded[0]}", engine=engine))
+
+    module._register_load_state_dict_pre_hook(refuse)
 
 
 class ModuleTree:
