@@ -24,6 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .dropout import dropout as apply_dropout
+
 try:  # optional: flash-attention's variable-length kernel, used on CUDA for fp16/bf16
     from flash_attn import flash_attn_varlen_func
 except (ImportError, OSError, RuntimeError):  # not installed, or built against another torch / CUDA
@@ -208,7 +210,11 @@ def bucketed_attention(q, k, v, key_mask: torch.Tensor, shapes, scaling: float, 
                                              v.split(sizes)):
         qg, kg, vg = (x.unflatten(0, (s, t)).transpose(1, 2) for x in (qg, kg, vg))  # each (s_g, N, T_g, D)
         mask = m.view(s, 1, 1, t).to(qg.dtype) if filler else None  # (s_g, 1, 1, T_g)
-        yg = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, dropout_p=dropout, scale=scaling)
+        if dropout:  # training: SDPA's own arithmetic (its math path), with dropout.py's cheaper mask
+            weights = torch.softmax(qg @ kg.transpose(-1, -2) * scaling + (0.0 if mask is None else mask), -1)
+            yg = apply_dropout(weights, dropout) @ vg  # (s_g, N, T_g, D)
+        else:
+            yg = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scaling)
         y.append(yg.transpose(1, 2).flatten(0, 1))  # (s_g * T_g, N, D)
     return torch.cat(y) if len(y) > 1 else y[0]
 

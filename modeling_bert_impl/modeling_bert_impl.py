@@ -46,6 +46,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, packed_position_ids
 from .configuration_bert_impl import BertImplConfig
+from .dropout import BertImplDropout
 from .input_checks import (
     IGNORE_INDEX,
     check_inputs,
@@ -101,7 +102,7 @@ class BertImplEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = BertImplDropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, cache_length: int = 0,
                 **kwargs):
@@ -176,7 +177,7 @@ class BertImplSelfOutput(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = BertImplDropout(config.hidden_dropout_prob)
 
     def forward(self, hidden_states, input_tensor):
         return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
@@ -773,7 +774,7 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
 
 
 def classifier_dropout(config: BertImplConfig) -> nn.Dropout:
-    return nn.Dropout(config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout)
+    return BertImplDropout(config.hidden_dropout_prob if config.classifier_dropout is None else config.classifier_dropout)
 
 
 class BertImplForSequenceClassification(BertImplPreTrainedModel):

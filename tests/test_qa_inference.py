@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 import modeling_bert_impl  # noqa: F401  (registers bert_impl with the Auto classes)
@@ -86,7 +85,7 @@ def trained(minilm_dir, tmp_path_factory):
     run_qa.main(["--model_name_or_path", minilm_dir, "--output_dir", str(out), "--train_file", str(tmp / "train.json"),
                  "--validation_file", str(tmp / "dev.json"), "--version_2_with_negative", "--do_train", "--do_eval",
                  *WINDOWS, "--learning_rate", "5e-4", "--per_device_train_batch_size", "16",
-                 "--num_train_epochs", "3", *COMMON])
+                 "--num_train_epochs", "10", *COMMON])
     dev = run_qa.read_squad(str(tmp / "dev.json")).to_dict()  # column -> list
     model = transformers.AutoModelForQuestionAnswering.from_pretrained(out).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
@@ -110,12 +109,10 @@ def test_answers_equal_run_qa_predictions_v2(trained):
                                   max_seq_length=48, doc_stride=16, max_query_length=None, batch_size=5)
     assert {qid: a["answer"] for qid, a in zip(dev["id"], got)} == expected
     assert [a["null_odds"] for a in got] == pytest.approx([expected_odds[qid] for qid in dev["id"]], abs=1e-4)
-    # The model learnt both kinds: answers where the person is in the paragraph, none where they are absent. (Torch 2.6
-    # draws dropout's random stream otherwise than 2.7 on, and with its stream this short run predicts no "no answer" at
-    # the default threshold (a threshold of -0.25 finds half of them): checked from torch 2.7.)
+    # The model learnt both kinds: answers where the person is in the paragraph, none where they are absent. (Ten epochs:
+    # after three, whether it said "no answer" anywhere depended on dropout's random stream.)
     no_answer = [qid for qid, a in zip(dev["id"], dev["answers"]) if not a["text"]]
-    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 7):
-        assert sum(expected[qid] == "" for qid in no_answer) >= 2
+    assert sum(expected[qid] == "" for qid in no_answer) >= 2
     assert sum(expected[qid] == a["text"][0] for qid, a in zip(dev["id"], dev["answers"]) if a["text"]) >= 5
     for context, result in zip(dev["context"], got):
         if result["answer"]:  # the offsets locate the answer in its context
