@@ -23,10 +23,11 @@ def keep_mask(shape, p: float, device) -> torch.Tensor:
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """`F.dropout(x, p, training)`, its mask from `keep_mask` in eager CPU training."""
-    if not training or p == 0.0 or x.device.type != "cpu" or torch.compiler.is_compiling() or not 0.0 < p < 1.0:
-        return F.dropout(x, p, training)
+    """`F.dropout(x, p, training)`, its mask from `keep_mask` in eager CPU training where p, rounded, drops some
+    elements and keeps some (else F.dropout: p below 2^-16 or above 1 - 2^-16 rounds to 0 or 1)."""
     dropped = round(p * 2**BITS)
+    if not training or not 0 < dropped < 2**BITS or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return F.dropout(x, p, training)
     return x * keep_mask(x.shape, p, x.device) * (2**BITS / (2**BITS - dropped))
 
 

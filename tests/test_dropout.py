@@ -47,6 +47,11 @@ def test_module_is_nn_dropout_and_steps_aside_where_nothing_is_dropped():
     assert isinstance(module, torch.nn.Dropout) and module.eval()(x) is x
     assert dropout(x, 0.0) is x and dropout(x, 0.1, training=False) is x
     assert torch.equal(dropout(x, 1.0), F.dropout(x, 1.0))  # p = 1: F.dropout's zeros
+    for p in (1 - 1e-6, 1e-6):  # round to 1 and to 0: F.dropout itself (no division by zero, nothing left undropped)
+        torch.manual_seed(3)
+        ours = dropout(x, p)
+        torch.manual_seed(3)
+        assert torch.equal(ours, F.dropout(x, p))
     y = module.train()(x)
     y.sum().backward()
     assert torch.equal(x.grad, (y != 0).float() * y.detach().div(x.detach()).nan_to_num())  # the same mask and scale
