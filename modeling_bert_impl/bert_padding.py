@@ -168,20 +168,10 @@ def flash_varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout:
     return flash_attn_varlen_func(q, k, v, cu, cu, t, t, dropout_p=dropout, softmax_scale=scaling)
 
 
-def nested_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
-    """SDPA on jagged nested tensors: on CUDA, torch's own varlen flash / memory-efficient kernels."""
-    offsets = batch.cu_seqlens.long()
-    q, k, v = (
-        torch.nested.nested_tensor_from_jagged(t.contiguous(), offsets, max_seqlen=batch.max_seqlen).transpose(1, 2)
-        for t in (q, k, v)
-    )  # each (S, N, j, D), j the ragged length
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)  # (S, N, j, D)
-    return y.transpose(1, 2).values()  # (nnz, N, D)
-
-
 def repadded_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
     """SDPA on the sequences laid out left-aligned at their own longest length T' (often shorter than the batch's T),
-    padding keys masked. Static shapes and one call: the kernel under torch.compile and the fallback elsewhere."""
+    padding keys masked. Static shapes and one call: the kernel everywhere but flash-attention's (SDPA on jagged nested
+    tensors, the other exact CUDA kernel, spent 6x its time dispatching in Python: benchmarks/NOTES.md)."""
     S = batch.cu_seqlens.shape[0] - 1
     qkv = pad(torch.stack((q, k, v), dim=1), batch.indices, S, batch.max_seqlen)  # (S, T', 3, N, D)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (S, N, T', D)
@@ -192,11 +182,9 @@ def repadded_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: flo
 
 def varlen_kernel(q: torch.Tensor):
     """The fastest exact varlen kernel for q's device and dtype (capabilities detected, never configured)."""
-    if q.is_cuda and not torch.compiler.is_compiling():
-        if flash_attn_varlen_func is not None and q.dtype in (torch.float16, torch.bfloat16):
-            return flash_varlen_attention
-        if hasattr(torch.nested, "nested_tensor_from_jagged"):
-            return nested_attention
+    if (q.is_cuda and flash_attn_varlen_func is not None and q.dtype in (torch.float16, torch.bfloat16)
+            and not torch.compiler.is_compiling()):
+        return flash_varlen_attention
     return repadded_attention
 
 

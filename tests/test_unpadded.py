@@ -89,9 +89,8 @@ def attention_per_sequence(q, k, v, lengths, scaling):
 LENGTHS = [5, 0, 9, 1, 7, 7]
 
 
-@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # on CPU, jagged SDPA falls back to math
-@pytest.mark.parametrize("kernel", [bp.repadded_attention, bp.nested_attention], ids=lambda k: k.__name__)
-def test_varlen_kernels_exact(kernel):
+def test_varlen_kernel_exact():
+    kernel = bp.repadded_attention
     torch.manual_seed(0)
     cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).int()
     qkv = torch.randn(sum(LENGTHS), 3, 2, 8, requires_grad=True)
@@ -122,8 +121,10 @@ def test_bucketed_layout_exact(group_cost):
 
 def test_kernel_choice_on_this_machine():
     q = torch.randn(4, 2, 8)
-    if not q.is_cuda:
-        assert bp.varlen_kernel(q) is bp.repadded_attention  # exact layout on CPU: training under torch.compile
+    assert bp.varlen_kernel(q) is bp.repadded_attention  # exact layout on CPU: training under torch.compile
+    if torch.cuda.is_available():  # on CUDA flash-attention's kernel where it is installed, else the same SDPA
+        flash = bp.flash_attn_varlen_func is not None
+        assert bp.varlen_kernel(q.cuda().bfloat16()) is (bp.flash_varlen_attention if flash else bp.repadded_attention)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
