@@ -439,6 +439,8 @@ def setup_logging(training_args: TrainingArguments) -> None:
 def load_tokenizer(model_args: ModelArguments):
     """The project's `BertImplTokenizer` when the `tokenization` package is importable, else `AutoTokenizer`."""
     name = model_args.tokenizer_name or model_args.model_name_or_path
+    require_source(model_args.model_name_or_path, "--model_name_or_path", model_args.cache_dir)
+    require_source(model_args.tokenizer_name, "--tokenizer_name", model_args.cache_dir)
     try:
         from tokenization import BertImplTokenizer
     except ImportError:
@@ -612,6 +614,32 @@ def hub_reachable(timeout: float = 5.0) -> bool:
     except Exception:  # any failure to connect: DNS, refused, timeout, proxy, TLS
         return False
     return True
+
+
+def require_source(name: str | None, flag: str, cache_dir: str | None = None) -> None:
+    """A model or tokenizer name must be a folder, a Hub id already in the cache, or a Hub id with the Hub reachable;
+    else a ValueError at once that says so and what to pass (instead of the loaders' minutes of retries, then an
+    error about a missing file)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if name is None or os.path.isdir(name):
+        return
+    files = ("config.json", "tokenizer_config.json", "vocab.txt", "tokenizer.json")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ValueError(f"{flag} {name!r}: no such folder (a Hub id has the form 'name' or 'owner/name')")
+    try:
+        if any(isinstance(try_to_load_from_cache(name, f, cache_dir=cache_dir), str) for f in files):
+            return
+    except ValueError as error:  # huggingface_hub's word on an invalid id
+        raise ValueError(f"{flag} {name!r}: no such folder, and not a Hub id ({error})") from None
+    if hub_reachable():
+        return
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"the Hub ({constants.ENDPOINT}) could not be reached"
+    raise ValueError(
+        f"{flag} {name!r} is not a local folder and not in the Hugging Face cache, and {why} to download it: pass "
+        f"{flag} a local folder holding the model's files (config.json, model.safetensors, the tokenizer's files: a "
+        "folder written by save_pretrained, or a copy of the Hub repository), or connect to download it once"
+    )
 
 
 def load_hub_dataset(name: str, config: str | None, cache_dir: str | None) -> datasets.DatasetDict:

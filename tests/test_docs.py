@@ -117,6 +117,16 @@ def test_links_resolve(page):
     assert not broken, "broken links (fix the link or the heading):\n" + "\n".join(broken)
 
 
+HUB_ID = re.compile(r"\bbert-(?:base|large)-(?:un)?cased\b|\b[\w.-]+/all-MiniLM-L6-v2\b|\bgoogle-bert/")
+
+
+def test_every_page_naming_a_hub_id_says_how_to_use_a_local_folder():
+    pages = [p for p in PAGES if HUB_ID.search(p.read_text())]
+    assert len(pages) >= 5  # the pattern finds the ids the pages use
+    missing = [str(p.relative_to(ROOT)) for p in pages if "local folder" not in p.read_text()]
+    assert not missing, f"pages that name a Hub id and not how to use a local folder offline: {missing}"
+
+
 def test_slug_follows_github():
     assert slug("Speed up existing code: `apply_bert_impl()`") == "speed-up-existing-code-apply_bert_impl"
     assert slug("Ask a question-answering model (`answer.py`)") == "ask-a-question-answering-model-answerpy"

@@ -125,6 +125,27 @@ def test_glue_task_without_files_offline_says_to_give_files(minilm_dir, tmp_path
             tmp_path / "cache", match=("cannot be reached", "--train_file", "HF_HUB_OFFLINE=1"))
 
 
+def test_a_model_name_that_is_no_folder_offline_says_the_hub_was_unreachable(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "out"
+    write_csv(tmp_path / "t.csv", ["sentence", "label"], [["good", 1], ["bad", 0]])
+    (tmp_path / "t.txt").write_text("One sentence. Another one.\n\nA second document.\n")
+    for recipe, data in ((run_glue, "t.csv"), (run_pretraining, "t.txt")):  # common's and pre-training's loader
+        refused(recipe, "bert-base-uncased", out, "--do_train", "--train_file", tmp_path / data,
+                "--cache_dir", tmp_path / "cache",
+                match=("--model_name_or_path 'bert-base-uncased' is not a local folder", "HF_HUB_OFFLINE",
+                       "pass --model_name_or_path a local folder"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    message = refused(run_glue, "bert-base-uncased", out, "--do_train", "--train_file", tmp_path / "t.csv",
+                      "--cache_dir", tmp_path / "cache", match=("the Hub (http://127.0.0.1:9) could not be reached",))
+    assert "HF_HUB_OFFLINE" not in message
+    refused(run_glue, "./no/such/folder", out, "--do_train", "--train_file", tmp_path / "t.csv",
+            match=("'./no/such/folder': no such folder",))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # NER, SWAG
 # ---------------------------------------------------------------------------------------------------------------------

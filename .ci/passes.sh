@@ -1,0 +1,48 @@
+# Helpers for .ci/run (sourced): each pass in a new virtual environment, run to its end whatever an earlier pass did.
+# A pass prints its versions before its tests and its time last; `finish` names the passes that failed and fails.
+
+PASS_ENVS="${PASS_ENVS:-$(mktemp -d)}"
+FAILED_PASSES=()
+
+new_env() {  # a new, empty virtual environment, activated (in the pass's subshell)
+    python3 -m venv "$PASS_ENVS/$1"
+    # shellcheck disable=SC1091
+    source "$PASS_ENVS/$1/bin/activate"
+}
+
+run_pass() {  # run_pass NAME TITLE FUNCTION: FUNCTION runs in a subshell with `set -e`, in its own new environment
+    local name=$1 title=$2 body=$3 start=$SECONDS status
+    echo "== $name: $title"
+    set +e  # the subshell's own `set -e` holds only where its exit status is not tested (no `||`, no `if`)
+    ( set -euo pipefail; new_env "$name"; echo "== $name: $(python --version) in $PASS_ENVS/$name"; "$body" )
+    status=$?
+    rm -rf "${PASS_ENVS:?}/$name"  # a CUDA build of torch takes several GB
+    if [ "$status" -ne 0 ]; then
+        FAILED_PASSES+=("$name")
+        echo "== $name: FAILED (exit $status) after $((SECONDS - start)) s"
+    else
+        echo "== $name: passed in $((SECONDS - start)) s"
+    fi
+}
+
+finish() {  # the verdict: exit 1 naming every failed pass, else 0
+    rm -rf "$PASS_ENVS"
+    if [ "${#FAILED_PASSES[@]}" -ne 0 ]; then
+        echo "== CI FAILED: ${FAILED_PASSES[*]} (of $1 passes)"
+        return 1
+    fi
+    echo "== CI passed: $1 passes"
+}
+
+versions() {  # what the pass tests with, printed before its tests
+    python - "$@" <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+def v(name):
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "-"
+print("== versions:", ", ".join(f"{name} {v(name)}" for name in sys.argv[1:]))
+PY
+}

@@ -1,0 +1,32 @@
+"""`.ci/run`'s passes: a failing pass lets the later ones run, each prints its time, and the script fails at the end
+naming the failed passes (the helpers in .ci/passes.sh, driven with stand-in passes)."""
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+set -uo pipefail
+source .ci/passes.sh
+broken() { echo "step 1"; false; echo "never printed"; }
+fine() { python -c "import sys; print('in', sys.prefix)"; }
+run_pass first "a pass that fails half-way" broken
+run_pass second "a pass after it" fine
+run_pass third "another failing pass" false
+finish 3
+"""
+
+
+def test_a_failing_pass_lets_the_later_ones_run_and_fails_the_script(tmp_path):
+    proc = subprocess.run(["bash", "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PASS_ENVS": str(tmp_path / "envs")})
+    out = proc.stdout
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "step 1" in out and "never printed" not in out  # `set -e` inside a pass ends that pass
+    assert f"in {tmp_path / 'envs' / 'second'}" in out  # the next pass ran, in its own new environment
+    assert "== first: FAILED (exit 1) after" in out and "== second: passed in" in out
+    assert "== third: FAILED" in out
+    assert out.strip().splitlines()[-1] == "== CI FAILED: first third (of 3 passes)"
+    assert not (tmp_path / "envs").exists()  # environments deleted
+
