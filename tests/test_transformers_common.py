@@ -1,25 +1,16 @@
 """transformers' own common model tests (`ModelTesterMixin`, `ConfigTester`, `TrainingTesterMixin`) run against all
 eight bert-impl classes: the contract every transformers model is held to, checked by transformers' code.
 
-The tests ship in the transformers sdist (not the wheel): the set-up fetches the sdist of the INSTALLED version from
-the package registry once (`pip download`), keeps its `tests/*.py` under ~/.cache/bert-impl/ and imports them from
-there. Without the registry the module is skipped, saying so. The sdist's top-level test modules import three
-helpers the sdist leaves out; minimal stand-ins are written beside them (see `_STAND_INS`). `parameterized`, which
-they need, is a `dev` extra; where it is not installed, its wheel is fetched the same way.
+The tests ship in the transformers sdist (not the wheel): `python tests/fetch_transformers_tests.py`, a step of the
+README's test command, fetches those of the INSTALLED version once; this module imports them from there, and is
+skipped, saying so, where they were not fetched. `parameterized`, which they import, is a `dev` extra.
 
 `BertImplModelTester` follows transformers' `BertModelTester` (tests/models/bert/test_modeling_bert.py), at small
 sizes to keep the module fast. Deselected tests are listed in `DESELECTED`, each with its reason.
 """
 
-import importlib
-import os
-import shutil
-import subprocess
 import sys
-import tarfile
-import tempfile
 import unittest
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -30,189 +21,10 @@ from transformers.models.auto import modeling_auto
 import modeling_bert_impl as bi
 from modeling_bert_impl import AUTO_CLASSES, BertImplConfig
 
-CACHE = Path(os.environ.get("BERT_IMPL_CACHE", Path.home() / ".cache" / "bert-impl"))
-VERSION = transformers.__version__
-PACKAGE = "hf_common_tests"  # the sdist's tests/ folder, imported under this name
+from fetch_transformers_tests import VERSION, fetched, tests_folder  # noqa: E402
 
-# Modules the sdist's test_modeling_common.py / test_configuration_common.py import but the sdist does not ship.
-_STAND_INS = {
-    # Export tests (torch.export, ONNX, transformers.exporters) are run by the project's own tests/test_export.py.
-    "exporters/test_export.py": "class ExportTesterMixin:\n    pass\n",
-    # BERT does not generate: the mixin only checks that such a model's tester does not inherit the generation tests.
-    "generation/test_utils.py": "class GenerationTesterMixin:\n    pass\n",
-    # ConfigTester.check_config_arguments_init: common PreTrainedConfig arguments, each away from its default.
-    "utils/test_configuration_utils.py": """\
-config_common_kwargs = {
-    "return_dict": False,
-    "output_hidden_states": True,
-    "output_attentions": True,
-    "dtype": "float16",
-    "chunk_size_feed_forward": 5,
-    "architectures": ["BertImplForMaskedLM"],
-    "finetuning_task": "translation",
-    "id2label": {0: "label"},
-    "label2id": {"label": "0"},
-    "problem_type": "regression",
-    "tokenizer_class": "BertImplTokenizer",
-    "prefix": "prefix",
-    "bos_token_id": 6,
-    "eos_token_id": 8,
-    "sep_token_id": 9,
-    "decoder_start_token_id": 10,
-}
-""",
-}
+if not fetched():
+    pytest.skip(f"transformers' common tests for {VERSION} are not fetched: run `python tests/fetch_transformers_tests.py`"
+                " (the README's test command does)", allow_module_level=True)
+sys.path.insert(0, str(tests_folder()))
 
-
-class RegistryUnreachable(RuntimeError):
-    """pip could not fetch a package from the package registry."""
-
-
-def _pip_download(args: list[str], dest: Path) -> Path:
-    """`pip download` into dest; returns the one file it wrote. Raises RegistryUnreachable with pip's last words."""
-    dest.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "--retries", "1",
-         "--timeout", "30", "-d", str(dest), *args],
-        capture_output=True, text=True, timeout=300,
-    )
-    files = [p for p in dest.iterdir() if p.is_file()]
-    if proc.returncode != 0 or len(files) != 1:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RegistryUnreachable(f"pip download {' '.join(args)} failed: {last}")
-    return files[0]
-
-
-def _fetch_common_tests() -> Path:
-    """The folder holding `hf_common_tests/` (transformers' tests of this version) and, if needed, parameterized."""
-    root = CACHE / f"transformers-{VERSION}-tests"
-    if not (root / PACKAGE / "test_modeling_common.py").is_file():
-        with tempfile.TemporaryDirectory(dir=CACHE.mkdir(parents=True, exist_ok=True) or CACHE) as tmp:
-            sdist = _pip_download(["--no-binary", ":all:", f"transformers=={VERSION}"], Path(tmp) / "sdist")
-            staged = Path(tmp) / "staged"
-            package = staged / PACKAGE
-            with tarfile.open(sdist) as tar:
-                for member in tar.getmembers():
-                    parts = Path(member.name).parts  # transformers-X/tests/name.py: the top-level test modules
-                    if len(parts) == 3 and parts[1] == "tests" and parts[2].endswith(".py") and member.isfile():
-                        package.mkdir(parents=True, exist_ok=True)
-                        (package / parts[2]).write_bytes(tar.extractfile(member).read())
-            if not (package / "test_modeling_common.py").is_file():
-                raise RuntimeError(f"the transformers {VERSION} sdist has no tests/test_modeling_common.py")
-            (package / "__init__.py").touch()
-            for name, text in _STAND_INS.items():
-                (package / name).parent.mkdir(exist_ok=True)
-                (package / name).parent.joinpath("__init__.py").touch()
-                (package / name).write_text(text)
-            if importlib.util.find_spec("parameterized") is None:
-                _pip_download(["parameterized>=0.9"], staged / "wheels")
-            shutil.rmtree(root, ignore_errors=True)
-            os.replace(staged, root)  # complete or absent: a run killed half-way leaves nothing behind
-    sys.path[:0] = [str(root)] + [str(w) for w in (root / "wheels").glob("*.whl")]
-    return root
-
-
-try:
-    _fetch_common_tests()
-except (RegistryUnreachable, subprocess.TimeoutExpired) as error:
-    pytest.skip(f"transformers' common tests could not be fetched from the package registry: {error}",
-                allow_module_level=True)
-
-from hf_common_tests.test_configuration_common import ConfigTester  # noqa: E402
-from hf_common_tests.test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask  # noqa: E402
-from hf_common_tests.test_training_mixin import TrainingTesterMixin  # noqa: E402
-
-ALL_MODEL_CLASSES = tuple(AUTO_CLASSES.values())
-# The mixin tells heads apart by transformers' tables of class names per task (model_type -> class name); an
-# in-library model is listed there, so ours are listed too while a test runs.
-NAME_TABLES = {
-    "AutoModel": modeling_auto.MODEL_MAPPING_NAMES,
-    "AutoModelForPreTraining": modeling_auto.MODEL_FOR_PRETRAINING_MAPPING_NAMES,
-    "AutoModelForMaskedLM": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    "AutoModelForNextSentencePrediction": modeling_auto.MODEL_FOR_NEXT_SENTENCE_PREDICTION_MAPPING_NAMES,
-    "AutoModelForSequenceClassification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-    "AutoModelForTokenClassification": modeling_auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
-    "AutoModelForQuestionAnswering": modeling_auto.MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
-    "AutoModelForMultipleChoice": modeling_auto.MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES,
-}
-
-
-class BertImplModelTester:
-    """transformers' BertModelTester for our classes: a random small config and a randomly padded batch."""
-
-    def __init__(self, parent, batch_size=5, seq_length=7, is_training=True, vocab_size=99, hidden_size=32,
-                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=64,
-                 type_vocab_size=16, num_choices=4):
-        self.parent = parent
-        self.batch_size, self.seq_length, self.is_training = batch_size, seq_length, is_training
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
-        self.intermediate_size, self.max_position_embeddings = intermediate_size, max_position_embeddings
-        self.type_vocab_size, self.num_choices = type_vocab_size, num_choices
-        # The head TrainingTesterMixin overfits with labels = input_ids (its hook is named for causal LMs): our MLM,
-        # every position a target.
-        self.causal_lm_class = bi.BertImplForMaskedLM
-
-    def get_config(self):
-        return BertImplConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, intermediate_size=self.intermediate_size,
-            hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-            max_position_embeddings=self.max_position_embeddings, type_vocab_size=self.type_vocab_size,
-            initializer_range=0.02,
-        )
-
-    def prepare_config_and_inputs(self):
-        input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
-        input_mask = random_attention_mask([self.batch_size, self.seq_length])
-        token_type_ids = ids_tensor([self.batch_size, self.seq_length], self.type_vocab_size)
-        return self.get_config(), input_ids, token_type_ids, input_mask
-
-    def prepare_config_and_inputs_for_common(self):
-        config, input_ids, token_type_ids, input_mask = self.prepare_config_and_inputs()
-        return config, {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": input_mask}
-
-
-# test name -> why it does not run here.
-DESELECTED = {
-    "test_reverse_loading_mapping": "our folders store our own parameter names (Trainer's resume loads a checkpoint's "
-    "state dict as it is); stock names are written by save_stock_pretrained, tested in test_modeling.py",
-}
-
-
-class BertImplModelTest(ModelTesterMixin, TrainingTesterMixin, unittest.TestCase):
-    all_model_classes = ALL_MODEL_CLASSES
-    model_split_percents = [0.5, 0.8, 0.9]
-    # test_can_init_all_missing_weights (every weight initialised by _init_weights, as in __init__) skips models whose
-    # config file has no "# Copyright <year>" of 2023 or later ("Not a prioritized model") unless this is set.
-    test_can_init_all_missing_weights_before_2023 = True
-
-    def setUp(self):
-        if self._testMethodName in DESELECTED:
-            self.skipTest(DESELECTED[self._testMethodName])
-        # Tiny models: one thread computes them as fast, and far faster when the cores are shared.
-        self.addCleanup(torch.set_num_threads, torch.get_num_threads())
-        torch.set_num_threads(1)
-        # Some tests read transformers' warnings: its default verbosity, whatever an earlier test module set.
-        self.addCleanup(transformers.logging.set_verbosity, transformers.logging.get_verbosity())
-        transformers.logging.set_verbosity_warning()
-        for auto, table in NAME_TABLES.items():
-            patcher = mock.patch.dict(table, {BertImplConfig.model_type: AUTO_CLASSES[auto].__name__})
-            patcher.start()
-            self.addCleanup(patcher.stop)
-        self.model_tester = BertImplModelTester(self)
-        # hidden_size: any value away from the default (transformers' BERT test takes 37, which our config refuses
-        # with 12 heads: the heads must divide it).
-        self.config_tester = ConfigTester(self, config_class=BertImplConfig, hidden_size=48)
-
-    def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
-        """As transformers' BertModelTest: the pre-training head gets both its labels."""
-        inputs = super()._prepare_for_class(inputs_dict, model_class, return_labels=return_labels)
-        if return_labels and model_class is bi.BertImplForPreTraining:
-            B, T = self.model_tester.batch_size, self.model_tester.seq_length
-            inputs["labels"] = torch.zeros((B, T), dtype=torch.long)
-            inputs["next_sentence_label"] = torch.zeros(B, dtype=torch.long)
-        return inputs
-
-    def test_config(self):
-        self.config_tester.run_common_tests()
