@@ -574,6 +574,7 @@ def set_auto_model(transformer, model):
         transformer.auto_model = model
 
 
+@pytest.mark.slow
 def test_sentence_transformers_and_pipelines_run_the_program_on_minilm(minilm_dir, tmp_path):
     """The real checkpoint through `apply_bert_impl()`: sentence-transformers embedding one query at a time and a
     feature-extraction pipeline run the program with no change to their code, and give stock transformers' results.

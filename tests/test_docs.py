@@ -182,6 +182,7 @@ def doc_env(tmp_path_factory, minilm_dir):
 
 
 @pytest.mark.parametrize("block", [p for p in code_blocks() if MARKER.match(p.values[0]["before"])])
+@pytest.mark.slow
 def test_runnable_block_runs(block, doc_env):
     reason = MARKER.match(block["before"])["reason"]
     if reason and os.environ.get("BERT_IMPL_DOCS_SLOW") != "1":

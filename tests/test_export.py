@@ -304,6 +304,7 @@ def test_compiled_model_refuses_bad_values_with_a_traced_assert(tiny_model):
 # The export command, end to end on a folder made from MiniLM
 # ---------------------------------------------------------------------------------------------------------------------
 @needs_tracing
+@pytest.mark.slow
 def test_export_command_on_minilm(minilm_dir, tmp_path):
     model_dir, out = tmp_path / "classifier", tmp_path / "onnx"
     torch.manual_seed(0)

@@ -33,6 +33,7 @@ def test_model_flops_equal_torch_flop_counter(lengths):
     assert counter.get_total_flops() == bench_model.model_flops(config, lengths, masked)
 
 
+@pytest.mark.slow
 def test_gpu_check_cpu_runs_the_ddp_part_and_writes_its_results(tmp_path):
     """`python benchmarks/gpu_check.py --device cpu --part ddp`: the environment section, and the 2-process gloo DDP
     pre-training step, which ends with the same weights in both processes."""

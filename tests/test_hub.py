@@ -328,6 +328,7 @@ def test_pull_by_repo_id_with_the_package_installed(pushed, monkeypatch):
         assert_close(pushed["versions"][version]["outputs"], outputs(model, inputs), f"version {version}")
 
 
+@pytest.mark.slow
 def test_card_snippet_for_installed_package_runs_as_written(pushed, tmp_path):
     """The card's second snippet, in a fresh Python where bert-impl is importable, for every head."""
     hub = pushed["hub"]
@@ -437,6 +438,7 @@ def _olah_cli() -> str | None:
 
 
 @pytest.mark.skipif(_olah_cli() is None or shutil.which("git") is None, reason="needs olah (pip install olah) and git")
+@pytest.mark.slow
 def test_pull_over_http_from_a_hub_mirror(pushed, run_without_package, tmp_path):
     """The pushed commits of org/versions replayed into a git repository that olah serves offline on loopback; a
     Python without bert-impl pulls the model by repo id over HTTP (HF_ENDPOINT), main and a pinned revision.

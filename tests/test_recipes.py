@@ -312,6 +312,7 @@ def test_run_swag_csv(minilm_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun")
+@pytest.mark.slow
 def test_run_glue_under_torchrun(minilm_dir, tmp_path):
     rows = sentiment_rows(random.Random(2), 64)
     write_tsv(tmp_path / "train.tsv", ["sentence", "label"], rows[:48])
