@@ -169,6 +169,23 @@ def test_masked_lm_keeps_the_stock_output_contract(tmp_path, patched):
     assert max_diff(got.logits[real], expected.logits[real]) < TOL and max_diff(got.loss, expected.loss) < TOL
 
 
+def test_our_config_fields_are_from_pretrained_keywords(tmp_path, patched):
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(BertConfig(**SMALL)).save_pretrained(tmp_path)
+    batch = {"input_ids": torch.randint(1, 99, (2, 7)), "attention_mask": torch.tensor([[1] * 7, [1] * 4 + [0] * 3])}
+    for kwargs, rank in (({}, 2), ({"unpad_inputs": False}, 3)):  # padding-free rows, or stock's (B, T, H)
+        model = AutoModelForSequenceClassification.from_pretrained(tmp_path, **kwargs).eval()
+        assert isinstance(model, bi.BertImplForSequenceClassification)
+        assert model.config.unpad_inputs is kwargs.get("unpad_inputs", True)
+        seen = []
+        model.bert.encoder.layer[0].register_forward_hook(lambda module, args, out: seen.append(out.dim()))
+        with torch.no_grad():
+            model(**batch)
+        assert seen == [rank]
+    model = AutoModelForMaskedLM.from_pretrained(tmp_path, sparse_prediction=True)
+    assert model.config.sparse_prediction is True
+
+
 def test_our_folders_and_what_we_do_not_implement_are_unaffected(tmp_path, patched):
     ours = bi.BertImplModel(bi.BertImplConfig(**SMALL))
     ours.save_pretrained(tmp_path / "ours")

@@ -61,10 +61,16 @@ class _OnStockConfig:
 
     @classmethod
     def from_pretrained(cls, *args, config=None, **kwargs):
+        # Our config fields as keywords (`unpad_inputs=False`): BertConfig has no such fields, so they are set on the
+        # loaded model's config (read at each forward) rather than passed on to its constructor.
+        ours = {field: kwargs.pop(field) for field in STOCK_CONFIG_DEFAULTS if field in kwargs}
         if config is not None and not implements(config):
             logger.info(f"bert-impl does not implement this BERT config; loading transformers' {cls.stock_name}")
             return cls._stock_class().from_pretrained(*args, config=config, **kwargs)
-        return super().from_pretrained(*args, config=config, **kwargs)
+        model = super().from_pretrained(*args, config=config, **kwargs)
+        for field, value in ours.items():
+            setattr(model.config, field, value)
+        return model
 
     @classmethod
     def _from_config(cls, config, **kwargs):
