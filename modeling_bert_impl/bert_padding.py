@@ -171,7 +171,8 @@ def flash_varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout:
 def repadded_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
     """SDPA on the sequences laid out left-aligned at their own longest length T' (often shorter than the batch's T),
     padding keys masked. Static shapes and one call: the kernel everywhere but flash-attention's (SDPA on jagged nested
-    tensors, the other exact CUDA kernel, spent 6x its time dispatching in Python: benchmarks/NOTES.md)."""
+    tensors, the other exact CUDA kernel, spent its time in Python dispatch: benchmarks/NOTES.md, "The padding-free
+    path on CUDA")."""
     S = batch.cu_seqlens.shape[0] - 1
     qkv = pad(torch.stack((q, k, v), dim=1), batch.indices, S, batch.max_seqlen)  # (S, T', 3, N, D)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (S, N, T', D)

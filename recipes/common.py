@@ -439,8 +439,7 @@ def setup_logging(training_args: TrainingArguments) -> None:
 def load_tokenizer(model_args: ModelArguments):
     """The project's `BertImplTokenizer` when the `tokenization` package is importable, else `AutoTokenizer`."""
     name = model_args.tokenizer_name or model_args.model_name_or_path
-    require_source(model_args.model_name_or_path, "--model_name_or_path", model_args.cache_dir)
-    require_source(model_args.tokenizer_name, "--tokenizer_name", model_args.cache_dir)
+    require_sources(model_args)
     try:
         from tokenization import BertImplTokenizer
     except ImportError:
@@ -616,6 +615,12 @@ def hub_reachable(timeout: float = 5.0) -> bool:
     return True
 
 
+def require_sources(model_args) -> None:
+    """`require_source` for --model_name_or_path and --tokenizer_name (any recipe's model arguments)."""
+    require_source(model_args.model_name_or_path, "--model_name_or_path", model_args.cache_dir)
+    require_source(model_args.tokenizer_name, "--tokenizer_name", model_args.cache_dir)
+
+
 def require_source(name: str | None, flag: str, cache_dir: str | None = None) -> None:
     """A model or tokenizer name must be a folder, a Hub id already in the cache, or a Hub id with the Hub reachable;
     else a ValueError at once that says so and what to pass (instead of the loaders' minutes of retries, then an
@@ -634,7 +639,8 @@ def require_source(name: str | None, flag: str, cache_dir: str | None = None) ->
         raise ValueError(f"{flag} {name!r}: no such folder, and not a Hub id ({error})") from None
     if hub_reachable():
         return
-    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"the Hub ({constants.ENDPOINT}) could not be reached"
+    hub = f"the Hub ({constants.ENDPOINT}) could not be reached"
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub
     raise ValueError(
         f"{flag} {name!r} is not a local folder and not in the Hugging Face cache, and {why} to download it: pass "
         f"{flag} a local folder holding the model's files (config.json, model.safetensors, the tokenizer's files: a "

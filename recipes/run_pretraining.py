@@ -222,8 +222,7 @@ def load_tokenizer(model_args: ModelArguments):
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if name is None:
         raise ValueError("pass --tokenizer_name (a BERT tokenizer folder or Hub id), or --model_name_or_path")
-    common.require_source(model_args.model_name_or_path, "--model_name_or_path", model_args.cache_dir)
-    common.require_source(model_args.tokenizer_name, "--tokenizer_name", model_args.cache_dir)
+    common.require_sources(model_args)
     kwargs = {"cache_dir": model_args.cache_dir, "token": model_args.token}
     try:
         from tokenization import BertImplTokenizer

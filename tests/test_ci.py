@@ -29,4 +29,3 @@ def test_a_failing_pass_lets_the_later_ones_run_and_fails_the_script(tmp_path):
     assert "== third: FAILED" in out
     assert out.strip().splitlines()[-1] == "== CI FAILED: first third (of 3 passes)"
     assert not (tmp_path / "envs").exists()  # environments deleted
-
