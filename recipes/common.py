@@ -643,8 +643,8 @@ def require_source(name: str | None, flag: str, cache_dir: str | None = None) ->
     why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub
     raise ValueError(
         f"{flag} {name!r} is not a local folder and not in the Hugging Face cache, and cannot be downloaded ({why}): "
-        f"pass {flag} a local folder holding the model's files (config.json, model.safetensors, the tokenizer's files: a "
-        "folder written by save_pretrained, or a copy of the Hub repository), or connect to download it once"
+        f"pass {flag} a local folder holding the model's files (config.json, model.safetensors, the tokenizer's "
+        "files: a folder written by save_pretrained, or a copy of the Hub repository), or connect to download it once"
     )
 
 
