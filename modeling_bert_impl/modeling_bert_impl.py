@@ -5,12 +5,15 @@ padded batch, more for a packed one), P the rows the padding-free encoder runs o
 the CPU's bucketed layout: bert_padding.py).
 
 Padding-free by default: where a batch has padding (or is packed), the model unpads the embeddings once, runs every
-layer on the (P, H) rows of real tokens, attention per sequence, and re-pads the outputs once at the end. So what a
-layer's hooks see is stock's (B, T, H) wherever the batch has no padding (one sentence, a dense batch), and the (P, H)
-rows on a padded or packed batch; `config.unpad_inputs=False` gives stock's (B, T, H) there too. The embeddings
-always return stock's (B, T, H).
+layer on the (P, H) rows of real tokens, attention per sequence, and re-pads the outputs once at the end. Code that
+looks inside the encoder sees stock's (B, T, H) tensors all the same: a call where a hook of the user's sits on a
+module of the encoder, or a submodule was replaced by a class of the user's, runs the padded layout
+(`looking_inside`). `config.unpad_inputs=True` keeps the padding-free layout even then (hooks see the (P, H) rows),
+`False` always runs the padded one. The embeddings always return stock's (B, T, H).
 """
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +46,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
+from transformers.utils import logging
 
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, packed_position_ids
 from .configuration_bert_impl import BertImplConfig
@@ -55,6 +59,8 @@ from .input_checks import (
     require_tracing_torch,
     split_cache_mask,
 )
+
+logger = logging.get_logger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -256,6 +262,54 @@ class BertImplEncoder(nn.Module):
         last = x if layout is None else layout.repad(x)  # (B, T, H)
         return BaseModelOutput(last_hidden_state=last,
                                hidden_states=(*all_hidden, last) if output_hidden_states else None)
+
+
+# Where the code that runs inside the encoder on every call comes from when it reads no layout: torch itself (FSDP2,
+# parametrizations), transformers (output capturing), the frameworks that hook every module (accelerate, DeepSpeed
+# ZeRO-3), PEFT's tuner layers and quantized linears, and this package.
+FRAMEWORKS = {"torch", "transformers", "accelerate", "deepspeed", "peft", "bitsandbytes", "torchao",
+              __name__.split(".")[0]}
+HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def origin(thing) -> str:
+    """The top-level package a hook function (or a class) was defined in."""
+    thing = thing.func if isinstance(thing, functools.partial) else thing
+    return (getattr(thing, "__module__", None) or type(thing).__module__ or "").partition(".")[0]
+
+
+def foreign_hook(hooks: dict) -> str | None:
+    """The package of the first hook in `hooks` (a module's hook dict) that is not a framework's, or None."""
+    return next((package for hook in hooks.values() if (package := origin(hook)) not in FRAMEWORKS), None)
+
+
+def looking_inside(encoder: nn.Module) -> str | None:
+    """What of the user's can observe or change the tensors between the encoder's modules, or None: a hook of theirs
+    on one of its modules (or on every module: a global hook), or a submodule of a class of theirs. Runs at each call
+    with padding, so it takes one Python step per module and does the rest in C."""
+    from torch.nn.modules import module as torch_module
+
+    for kind in HOOKS:
+        if package := foreign_hook(getattr(torch_module, f"_global{kind}")):
+            return f"a global module hook ({kind[1:-1].replace('_', ' ')}) from {package!r}"
+    modules = [encoder]
+    for module in modules:  # grows as it goes: every submodule once (nn.Module.modules() takes several times as long)
+        if module is not None:  # an empty submodule slot
+            modules.extend(module._modules.values())
+    modules = list(filter(functools.partial(operator.is_not, None), modules))
+    for cls in set(map(type, modules)):
+        if (package := cls.__module__.partition(".")[0]) not in FRAMEWORKS:
+            module = next(m for m in modules if type(m) is cls)
+            return f"`{name_in(encoder, module)}` is a {cls.__name__} (from {package!r})"
+    for kind in HOOKS:
+        for module in filter(operator.attrgetter(kind), modules):  # the modules with such hooks
+            if package := foreign_hook(getattr(module, kind)):
+                return f"`{name_in(encoder, module)}` has a {kind[1:-1].replace('_', ' ')} from {package!r}"
+    return None
+
+
+def name_in(encoder: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in encoder.named_modules(prefix="encoder") if m is module)
 
 
 def zero_padding(x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
@@ -596,10 +650,17 @@ class BertImplModel(BertImplPreTrainedModel):
     def _unpadded_layout(self, x, attention_mask, packs, batch, max_length_q, output_attentions,
                          cache_length: int) -> UnpaddedLayout | None:
         """The padding-free layout of the batch, or None where the padded path runs: no padding to skip, the `eager`
-        attention or attention maps asked for (maps exist on the padded path only), cached keys to attend, or
-        `config.unpad_inputs=False`."""
-        if not (batch.unpaddable and self.config.unpad_inputs and not output_attentions and not cache_length
-                and self.config._attn_implementation != "eager"):
+        attention or attention maps asked for (maps exist on the padded path only), cached keys to attend,
+        `config.unpad_inputs=False`, or (unless it is True) code of the user's looking inside the encoder."""
+        if not (batch.unpaddable and self.config.unpad_inputs is not False and not output_attentions
+                and not cache_length and self.config._attn_implementation != "eager"):
+            return None
+        if self.config.unpad_inputs is None and (observer := looking_inside(self.encoder)):
+            if not torch.compiler.is_compiling():  # a traced program cannot log; the eager call before it did
+                logger.warning_once(
+                    f"{observer}: calls with padding run the padded layout, so that it sees stock BERT's (B, T, H) "
+                    "tensors; set config.unpad_inputs=True to keep the padding-free layout (hooks then see the (P, H) "
+                    "rows of real tokens)")
             return None
         return UnpaddedLayout.build(
             attention_mask, packs, x.shape[:2], batch.nnz, batch.max_seqlen or max_length_q, x.dtype, x.device,

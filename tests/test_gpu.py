@@ -255,7 +255,7 @@ def test_forward_matches_float64_reference(minilm_dir, batch, reference, stock_e
 
 
 def config_unpads(model, implementation: str, layout: str) -> bool:
-    return model.config.unpad_inputs and implementation != "eager"
+    return model.config.unpad_inputs is not False and implementation != "eager"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

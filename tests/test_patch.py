@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
 import modeling_bert_impl as bi
+from helpers import layouts_built
 
 TOL = 1e-5
 SENTENCES = [
@@ -48,14 +49,16 @@ def max_diff(a, b) -> float:
 def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(minilm_dir, classifier_dir):
     from sentence_transformers import CrossEncoder, SentenceTransformer
 
-    inputs_seen = {}  # id(model) -> the number of dims of what the model's first layer saw
+    padding_free = {}  # output -> whether our model ran it padding-free
 
-    def record(model):
-        """Hooks the first layer of one of our models (stock BERT's module path): what it sees is 2-D (P, H) on the
-        padding-free path, 3-D (B, T, H) on the padded one."""
-        if isinstance(model, bi.BertImplPreTrainedModel):
-            model.base_model.encoder.layer[0].register_forward_hook(
-                lambda module, args, output: inputs_seen.setdefault(id(model), set()).add(args[0].dim()))
+    def measured(name, model, call):
+        """call(), noting whether `model`, where it is one of ours, ran the padding-free layout."""
+        if not isinstance(model, bi.BertImplPreTrainedModel):
+            return call()
+        with layouts_built(model) as built:
+            result = call()
+        padding_free[name] = bool(built)
+        return result
 
     tokenizer = AutoTokenizer.from_pretrained(classifier_dir)
     batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
@@ -65,14 +68,15 @@ def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(
         encoder = SentenceTransformer(minilm_dir, device="cpu")
         classifier = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
         cross = CrossEncoder(classifier_dir, device="cpu")
-        for model in (extractor.model, encoder[0].auto_model, classifier, cross.model):
-            record(model)
+        pairs = [(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[0])]
         with torch.no_grad():
             outputs = {
-                "features": [torch.tensor(f[0]) for f in extractor(SENTENCES)],  # (T_i, H) each, no padding
-                "embeddings": encoder.encode(SENTENCES, convert_to_tensor=True),
-                "logits": classifier(**batch).logits,
-                "cross": cross.predict([(SENTENCES[0], SENTENCES[1]), (SENTENCES[2], SENTENCES[0])], convert_to_tensor=True),
+                "features": measured("features", extractor.model, lambda: [torch.tensor(f[0]) for f in extractor(
+                    SENTENCES)]),  # (T_i, H) each, no padding
+                "embeddings": measured("embeddings", encoder[0].auto_model,
+                                       lambda: encoder.encode(SENTENCES, convert_to_tensor=True)),
+                "logits": measured("logits", classifier, lambda: classifier(**batch).logits),
+                "cross": measured("cross", cross.model, lambda: cross.predict(pairs, convert_to_tensor=True)),
             }
         models = [extractor.model, encoder[0].auto_model, classifier, cross.model]
         return outputs, models
@@ -87,8 +91,8 @@ def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(
     for model in our_models:
         assert isinstance(model, bi.BertImplPreTrainedModel), type(model)
         assert type(model.config) is BertConfig and model.config.model_type == "bert"
-    # One sentence at a time (the pipeline): stock's (B, T, H); padded batches: the padding-free rows, by default.
-    assert [inputs_seen[id(model)] for model in our_models] == [{3}, {2}, {2}, {2}]
+    # One sentence at a time (the pipeline): no padding to skip; padded batches: the padding-free rows, by default.
+    assert padding_free == {"features": False, "embeddings": True, "logits": True, "cross": True}
     for model in stock_models:
         assert type(model).__module__.startswith("transformers.models.bert."), type(model)
     diffs = {
@@ -173,15 +177,13 @@ def test_our_config_fields_are_from_pretrained_keywords(tmp_path, patched):
     torch.manual_seed(0)
     transformers.BertForSequenceClassification(BertConfig(**SMALL)).save_pretrained(tmp_path)
     batch = {"input_ids": torch.randint(1, 99, (2, 7)), "attention_mask": torch.tensor([[1] * 7, [1] * 4 + [0] * 3])}
-    for kwargs, rank in (({}, 2), ({"unpad_inputs": False}, 3)):  # padding-free rows, or stock's (B, T, H)
+    for kwargs, padding_free in (({}, True), ({"unpad_inputs": False}, False)):
         model = AutoModelForSequenceClassification.from_pretrained(tmp_path, **kwargs).eval()
         assert isinstance(model, bi.BertImplForSequenceClassification)
-        assert model.config.unpad_inputs is kwargs.get("unpad_inputs", True)
-        seen = []
-        model.bert.encoder.layer[0].register_forward_hook(lambda module, args, out: seen.append(out.dim()))
-        with torch.no_grad():
+        assert model.config.unpad_inputs is kwargs.get("unpad_inputs", None)
+        with torch.no_grad(), layouts_built(model) as built:
             model(**batch)
-        assert seen == [rank]
+        assert bool(built) is padding_free
     model = AutoModelForMaskedLM.from_pretrained(tmp_path, sparse_prediction=True)
     assert model.config.sparse_prediction is True
 

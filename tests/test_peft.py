@@ -17,6 +17,7 @@ import transformers
 from transformers import BertConfig, Trainer, TrainingArguments
 
 import modeling_bert_impl as bi
+from helpers import layouts_built
 
 peft = pytest.importorskip("peft")
 from peft import AutoPeftModelForSequenceClassification, LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -153,7 +154,7 @@ def test_adapter_trained_on_either_model_loads_on_the_other(wide_stock_dir, tmp_
     on_ours = perturbed(adapted(ours(wide_stock_dir), method))
     from_ours = logits(on_ours, inputs, **extra)
     on_ours.save_pretrained(tmp_path / "from-ours")
-    assert on_ours.get_base_model().config.unpad_inputs is (method not in PADDED_LAYOUT)
+    assert on_ours.get_base_model().config.unpad_inputs is (False if method in PADDED_LAYOUT else None)
 
     diffs = {
         "stock adapter on ours": logits(PeftModel.from_pretrained(ours(wide_stock_dir), tmp_path / "from-stock"),
@@ -233,7 +234,7 @@ def test_default_target_modules_are_stock_ones(wide_stock_dir, method):
     if method == "IA3":
         feedforward = lambda m: {n for n, mod in m.named_modules() if getattr(mod, "is_feedforward", False)}  # noqa
         assert feedforward(model) == feedforward(on_stock) and feedforward(model)
-    assert model.get_base_model().config.unpad_inputs is (method not in PADDED_LAYOUT)
+    assert model.get_base_model().config.unpad_inputs is (False if method in PADDED_LAYOUT else None)
 
 
 def test_defaults_on_stock_folders_loaded_through_the_patch(stock_dir):
@@ -270,7 +271,10 @@ def test_trainer_lora_save_reload_merge(stock_dir, tmp_path):
     args = TrainingArguments(tmp_path / "run", max_steps=4, per_device_train_batch_size=8, learning_rate=5e-3,
                              report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    Trainer(model=model, args=args, train_dataset=Dataset.from_dict({k: v.tolist() for k, v in train.items()})).train()
+    with layouts_built(model.get_base_model()) as built:
+        Trainer(model=model, args=args, train_dataset=Dataset.from_dict({k: v.tolist() for k, v in train.items()})
+                ).train()
+    assert len(built) == 4  # LoRA's layers keep the padding-free layout: every step ran it
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert any("lora_B" in n for n in changed) and any("classifier" in n for n in changed)
 

@@ -7,8 +7,9 @@ checkpoints. `AutoModelForCausalLM` (BERT as a decoder) keeps transformers' clas
 
 What such a model is:
 - our class (`isinstance(model, BertImplForSequenceClassification)`), carrying the stock `BertConfig` it was given
-  (model_type "bert"), to which two fields of ours are added when absent: `unpad_inputs=True` (the padding-free
-  encoder) and `sparse_prediction=False` (stock BERT's output contract: full (B, T, V) MLM logits with labels);
+  (model_type "bert"), to which two fields of ours are added when absent: `unpad_inputs=None` (the padding-free
+  encoder, unless code of the user's looks inside it) and `sparse_prediction=False` (stock BERT's output contract:
+  full (B, T, V) MLM logits with labels);
 - saved in the stock format: `save_pretrained` / `push_to_hub` write the (stock) parameter names, `architectures`
   naming the stock class, no fields, code files or `auto_map` of ours, so the folder still loads in plain
   transformers;
@@ -28,7 +29,7 @@ from ..modeling_bert_impl import AUTO_CLASSES, stock_name, write_stock_config
 logger = logging.get_logger(__name__)
 
 # Our config fields, for a model built from a stock BertConfig (which has neither).
-STOCK_CONFIG_DEFAULTS = {"unpad_inputs": True, "sparse_prediction": False}
+STOCK_CONFIG_DEFAULTS = {"unpad_inputs": None, "sparse_prediction": False}
 
 
 def implements(config) -> bool:

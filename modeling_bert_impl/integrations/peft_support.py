@@ -63,7 +63,7 @@ def _padded_for(module: str, tuner: str, why: str) -> None:
         return
 
     def hook(self, model, config, adapter_name):
-        if isinstance(model, BertImplPreTrainedModel) and model.config.unpad_inputs:
+        if isinstance(model, BertImplPreTrainedModel) and model.config.unpad_inputs is not False:
             logger.warning(f"{why}: the model now runs on padded batches (config.unpad_inputs=False)")
             model.config.unpad_inputs = False
         return original(self, model, config, adapter_name)
