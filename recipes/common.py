@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import datasets
 import transformers
-from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 logger = logging.getLogger(__name__)
@@ -313,15 +313,31 @@ def prepare_run(args: TrainingArguments) -> None:
 
 
 class RecipeTrainer(Trainer):
-    """`Trainer` whose checkpoints are all-or-nothing, and whose saved arguments (training_args.bin) hold no Hub token.
+    """`Trainer` whose checkpoints are all-or-nothing, whose saved arguments (training_args.bin) hold no Hub token, and
+    whose resumed runs report the whole run's `train_loss`.
 
     transformers writes checkpoint-N file by file in place, so a run killed while saving leaves a half-written newest
     checkpoint. Here every process writes its part into --output_dir/.incomplete-checkpoint/checkpoint-N, and once all
     are done the main process renames it to --output_dir/checkpoint-N (atomic on one file system); only then are the
-    oldest checkpoints deleted (--save_total_limit, by step) and the checkpoint pushed (--push_to_hub)."""
+    oldest checkpoints deleted (--save_total_limit, by step) and the checkpoint pushed (--push_to_hub).
+
+    transformers' `train_loss` is the mean over the steps of one `train()` call: after a resume, of the steps after the
+    checkpoint only. Here it is the mean over the whole run, the steps before the checkpoint read from its log history,
+    so that a resumed run reports the uninterrupted run's."""
 
     _staging: str | None = None  # while a checkpoint is being written: the folder it is written into
     _push_pending = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.run_start = RunStart()
+        self.add_callback(self.run_start)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "train_loss" in logs and self.run_start.step:
+            logs["train_loss"] = whole_run_loss(self.state.log_history, self.run_start.step, logs["train_loss"],
+                                                self.state.global_step)
+        super().log(logs, *args, **kwargs)
 
     def _get_output_dir(self, trial) -> str:
         return self._staging or super()._get_output_dir(trial)
@@ -367,6 +383,27 @@ class RecipeTrainer(Trainer):
             super()._save(output_dir, state_dict)
         finally:
             self.args.hub_token = token
+
+
+class RunStart(TrainerCallback):
+    """The step a `train()` call starts from: 0, or the step of the checkpoint it resumes."""
+
+    step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+
+def whole_run_loss(log_history: list[dict], resumed_at: int, mean_after: float, step: int) -> float:
+    """The mean training loss of a run resumed at step `resumed_at` and now at `step`: the losses logged up to
+    `resumed_at` (each the mean over its logging interval), and `mean_after`, transformers' mean over the steps after
+    it. Steps before the checkpoint after its last logged loss have no known loss (transformers keeps none): they
+    count in neither."""
+    total, logged = 0.0, 0
+    for entry in log_history:
+        if "loss" in entry and entry["step"] <= resumed_at:
+            total, logged = total + entry["loss"] * (entry["step"] - logged), entry["step"]
+    return (total + mean_after * (step - resumed_at)) / max(logged + step - resumed_at, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -36,8 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from datasets import IterableDataset, load_dataset
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, TrainingArguments, get_scheduler, set_seed
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, ProgressCallback
 
 import common
 from modeling_bert_impl import PRESETS, BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining
@@ -673,6 +674,29 @@ class TimeBudget(TrainerCallback, ExportableState):
                 control.should_save = True
 
 
+class BudgetProgress(ProgressCallback):
+    """transformers' progress bar, counting the time budget (--time_budget) instead of the steps, whose limit the
+    budget reaches first: seconds spent of the budget (a resumed run's included), then the step and the time the
+    budget ends. The rest (evaluation bars, logs written above the bar) is transformers'."""
+
+    def __init__(self, budget: TimeBudget):
+        super().__init__()
+        self.budget = budget
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.current_step = 0
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(total=round(self.budget.seconds), initial=round(self.budget.spent_before),
+                                     unit="s", desc="time budget", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            spent = min(round(self.budget.measured), self.training_bar.total)
+            self.training_bar.update(spent - self.training_bar.n)
+            ends = time.localtime(time.time() + max(self.budget.seconds - self.budget.measured, 0.0))
+            self.training_bar.set_postfix_str(f"step {state.global_step}, ends {time.strftime('%H:%M:%S', ends)}")
+
+
 NOMINAL_STEPS = 1_000_000  # the budget's schedule is transformers' schedule over this many steps, read at progress x it
 
 
@@ -811,6 +835,8 @@ class PreTrainingTrainer(common.RecipeTrainer):
         self.add_callback(IntervalClock(self))
         if budget is not None:
             self.add_callback(budget)
+            if self.pop_callback(ProgressCallback) is not None:  # the bar counts the budget's time, not the steps
+                self.add_callback(BudgetProgress(budget))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         model_inputs = pack_documents(inputs) if self.document_attention else inputs
@@ -901,7 +927,8 @@ class PreTrainingTrainer(common.RecipeTrainer):
         if self.budget is not None:
             budget_left = max(self.budget.seconds - self.budget.spent(), 0.0)
             if self.budget.step_limit is None or budget_left < remaining:
-                remaining, limit = budget_left, "time budget"
+                total = step + round(budget_left / per_step)
+                remaining, limit = budget_left, f"time budget, after about {total:,} steps"
         logger.warning(f"estimated time remaining: {format_duration(remaining)} (step {step}, {per_step:.3f} s a step "
                        f"over the last {steps}; ends at the {limit})")
 

@@ -536,3 +536,7 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_losses(minilm_dir, 
             worst = max(worst, abs(entry[key] - reference[entry["step"]][key]))
     print(f"largest difference after resuming: {worst:.2e}")
     assert worst <= 1e-6
+    # all_results.json's train_loss is the whole run's mean (it was that of steps 9..15 only)
+    train_loss = {name: json.loads((folder / "all_results.json").read_text())["train_loss"]
+                  for name, folder in (("resumed", resumed), ("full", full))}
+    assert abs(train_loss["resumed"] - train_loss["full"]) <= 1e-6, train_loss

@@ -166,6 +166,11 @@ def test_killed_while_saving_resumes_from_the_newest_complete_checkpoint(setup, 
     worst = max(abs(got[step] - expected[step]) for step in (5, 6))
     print(f"largest loss difference after resuming: {worst:.2e}")
     assert worst <= 1e-6
+    # all_results.json's train_loss: the whole run's mean, not that of the steps after the checkpoint
+    train_loss = {name: json.loads((folder / "all_results.json").read_text())["train_loss"]
+                  for name, folder in (("resumed", out), ("reference", reference))}
+    assert abs(train_loss["resumed"] - train_loss["reference"]) <= 1e-6, train_loss
+    assert abs(train_loss["reference"] - sum(expected.values()) / 6) <= 1e-6
 
 
 def ner_data(folder: Path) -> list[str]:
