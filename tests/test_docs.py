@@ -206,12 +206,17 @@ RUN_LOG = [
     (re.compile(r"\bruns? [A-Z]{1,2}\b(?! ?[/=:])"), "a run name"),
     (re.compile(r"RESULTS\.md"), "a citation of RESULTS.md (cite benchmarks/NOTES.md by topic instead)"),
     (re.compile(r"\bissue[- ]?#?\d+", re.I), "an issue number"),
+    (re.compile(r"\b\d+\.\d+(?:-\d+\.\d+)?x\b|\b\d+(?:\.\d+)?x (?:slower|faster)\b"), "a measured ratio"),
 ]
-SOURCES = sorted(p for folder in ("modeling_bert_impl", "tokenization", "recipes") for p in (ROOT / folder).rglob("*.py"))
+SOURCES = sorted(p for folder in ("modeling_bert_impl", "tokenization", "recipes") for pattern in ("*.py", "*.cpp")
+                 for p in (ROOT / folder).rglob(pattern))
 
 
 def comments_and_strings(path: Path) -> list[tuple[int, str]]:
-    """(line, text) of every comment and string literal (docstrings included) in a Python file."""
+    """(line, text) of every comment and string literal (docstrings included) in a Python file; of every `//` comment
+    in a C++ one."""
+    if path.suffix == ".cpp":
+        return [(n, line[line.index("//"):]) for n, line in enumerate(path.read_text().splitlines(), 1) if "//" in line]
     kinds = {tokenize.COMMENT, tokenize.STRING} | ({tokenize.FSTRING_MIDDLE} if hasattr(tokenize, "FSTRING_MIDDLE")
                                                    else set())
     source = path.read_text()
@@ -221,10 +226,11 @@ def comments_and_strings(path: Path) -> list[tuple[int, str]]:
 def test_run_log_pattern():
     flags = lambda text: [why for pattern, why in RUN_LOG if pattern.search(text)]  # noqa: E731
     for text in ("(RESULTS.md, \"seventh pass\")", "issue-21-eleventh-pass", "bench_engines.py run AA", "the 2nd pass",
-                 "see issue 21", "pass 3 of the loop"):
+                 "see issue 21", "pass 3 of the loop", "0.81-0.85x the static split's time", "ran 4x slower"):
         assert flags(text), text
     for text in ("passes the test", "pass the mask", "bypass", "in one pass eagerly", "pass after pass",
-                 "pass --use_cpu", "run A/B", "a second, longer pass", "Run the tests"):
+                 "pass --use_cpu", "run A/B", "a second, longer pass", "Run the tests", "3x the forward's FLOPs",
+                 "{value:#04x}"):
         assert not flags(text), text
 
 

@@ -152,7 +152,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):  # (..., in) float32 -> (..., out)
         x = x * self.inv_smooth
-        # abs().amax(), not vector_norm(inf): that reduction ran 4x slower than abs + amax + div together
+        # abs().amax(), not vector_norm(inf), the slower reduction here (benchmarks/NOTES.md, "int8")
         row_max = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # (..., 1)
         x = x / row_max  # rows in [-1, 1]: one scale per call fits every token
         if untraced_inference():

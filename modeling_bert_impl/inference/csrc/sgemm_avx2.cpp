@@ -43,8 +43,8 @@ inline void in_blocks(int64_t M, Run run) {
 
 // run(take) on each thread (at most n), take(i) setting i to the next of 0, 1, ..., n - 1 not yet taken, false when
 // none is left: a thread takes the next piece of work when it is done with its last, so that a core slowed by other
-// work (another process on a shared machine) takes fewer, where a static split would wait for its share (24 products
-// at 128 rows: 0.81-0.85x the static split's time, alternating, load 1.0)
+// work (another process on a shared machine) takes fewer, where a static split would wait for its share
+// (benchmarks/NOTES.md, "The AVX2 program's kernels": sharing the work)
 template <typename Run>
 inline void share(int64_t n, Run run) {
   std::atomic<int64_t> next{0};
@@ -163,7 +163,7 @@ using four_bytes = int32_t __attribute__((may_alias));  // a row's 4 uint8 input
 
 // s0 += madd(maddubs(x, w0), ones), s1 += madd(maddubs(x, w1), ones), x the 4 inputs at `a` in each 32-bit lane.
 // Written in assembly: from the same steps as intrinsics, GCC 12 keeps one of qblock's 8 sums on the stack and
-// interleaves the rows into 8 live products, 1.21-1.39x the time of this (alternating, 16 to 2,048 rows).
+// interleaves the rows into 8 live products, which takes longer (benchmarks/NOTES.md, "The AVX2 program's kernels").
 inline void qstep(__m256i& s0, __m256i& s1, const uint8_t* a, __m256i w0, __m256i w1, __m256i ones) {
   __m256i x, t;
   __asm__("vpbroadcastd %[a], %[x]\n\t"
