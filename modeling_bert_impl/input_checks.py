@@ -15,8 +15,10 @@ import torch
 from .bert_padding import sequence_starts
 
 IGNORE_INDEX = -100  # a label that no loss counts (padding, special tokens, unmasked positions), as in transformers
-# Tracing the model needs torch 2.13: on older releases torch.export fails a guard on the dynamic batch, torch.compile
-# pools a packed batch to one row, and torch 2.6 has no torch.compiler.is_exporting. A traced forward refuses there.
+# The one torch gate. Tracing the model needs torch 2.13: on older releases torch.export fails a guard on the dynamic
+# batch, torch.compile pools a packed batch to one row, torch 2.6 has no torch.compiler.is_exporting, and inductor's CPU
+# lowering of flex attention fails on this model's masks. What traces refuses there (`require_tracing_torch`): a traced
+# forward, flex attention, compile_for_inference (torch.export and AOTInductor) and ONNX export (torch.export).
 TRACING_TORCH = (2, 13)
 TRACING_SUPPORTED = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= TRACING_TORCH
 

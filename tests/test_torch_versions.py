@@ -1,7 +1,7 @@
-"""The features that need a newer torch than pyproject.toml's lowest (modeling_bert_impl/torch_support.py): each one
-refuses on an older torch with a ValueError naming the feature, the installed torch and the one it needs. On such a
-torch these tests check the real refusal; on a newer one, the message with the installed version set lower (the
-features themselves are tested by their own files, which skip on an older torch with `needs_tracing`)."""
+"""The features that need a newer torch than pyproject.toml's lowest, behind the one gate
+(`input_checks.require_tracing_torch`): each refuses on an older torch with a ValueError naming the feature, the
+installed torch and the one it needs. On such a torch these tests check the real refusal; on a newer one, the same
+with the gate set shut (the features themselves are tested by their own files, which skip on an older torch)."""
 
 import re
 import sys
@@ -11,29 +11,26 @@ import pytest
 import torch
 
 import modeling_bert_impl as bi
-from modeling_bert_impl import input_checks, torch_support
+from modeling_bert_impl import input_checks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_modeling import SMALL  # noqa: E402
 
-OLD_TORCH = not input_checks.TRACING_SUPPORTED
 TRACING = "tracing a bert-impl model (torch.compile, torch.export)"
 FLEX = "attn_implementation='flex_attention'"
-needs_tracing = pytest.mark.skipif(
-    OLD_TORCH, reason=f"{TRACING} needs torch >= {torch_support.NEEDS[TRACING]} (installed: {torch.__version__})")
+NEEDED = ".".join(map(str, input_checks.TRACING_TORCH))
+needs_tracing = pytest.mark.skipif(not input_checks.TRACING_SUPPORTED,
+                                   reason=f"{TRACING} needs torch >= {NEEDED} (installed: {torch.__version__})")
 
 
 @pytest.fixture
 def old_torch(monkeypatch):
-    """The torch installed, or on a newer one a version below every feature's need, as the checks read it."""
-    if not OLD_TORCH:
-        monkeypatch.setattr(torch_support, "INSTALLED", "2.6.0")
-        monkeypatch.setattr(input_checks, "TRACING_SUPPORTED", False)
-    return torch_support.INSTALLED
+    """The gate as an older torch than it needs sees it (the installed torch, where it is older)."""
+    monkeypatch.setattr(input_checks, "TRACING_SUPPORTED", False)
 
 
-def refusal(feature: str, installed: str) -> str:
-    return re.escape(f"{feature} needs torch >= {torch_support.NEEDS[feature]} (installed: {installed})")
+def refusal(feature: str) -> str:
+    return re.escape(f"{feature} needs torch >= {NEEDED} (installed: {torch.__version__}); upgrade torch, or ")
 
 
 def small_model():
@@ -41,40 +38,38 @@ def small_model():
     return bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
 
 
-def test_the_features_and_their_versions_are_listed_once():
-    """Every gated feature in NEEDS, each with a release above pyproject.toml's lowest torch."""
+def test_the_gate_is_above_the_lowest_torch_and_reads_the_installed_one():
     lowest = re.search(r'"torch>=([\d.]+),', (Path(__file__).parents[1] / "pyproject.toml").read_text()).group(1)
-    assert set(torch_support.NEEDS) == {"compile_for_inference", "ONNX export", TRACING, FLEX}
-    for feature, needed in torch_support.NEEDS.items():
-        assert torch_support.Version(needed) > torch_support.Version(lowest), feature
-    assert torch_support.NEEDS[TRACING] == ".".join(map(str, input_checks.TRACING_TORCH))
+    assert tuple(map(int, lowest.split(".")[:2])) < input_checks.TRACING_TORCH
+    installed = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    assert input_checks.TRACING_SUPPORTED is (installed >= input_checks.TRACING_TORCH)
 
 
 def test_compile_for_inference_refuses(old_torch):
-    with pytest.raises(ValueError, match=refusal("compile_for_inference", old_torch)):
+    with pytest.raises(ValueError, match=refusal("compile_for_inference")):
         bi.compile_for_inference(small_model())
 
 
 def test_onnx_export_refuses(old_torch, tmp_path):
     from modeling_bert_impl.integrations import export
 
-    with pytest.raises(ValueError, match=refusal("ONNX export", old_torch)):
+    with pytest.raises(ValueError, match=refusal("ONNX export")):
         export.export("unused", str(tmp_path / "onnx"))
 
 
 def test_a_traced_forward_refuses(old_torch):
     """torch.export (non-strict: the forward runs in Python) meets the check in the encoder's input checks."""
     ids = torch.randint(1, SMALL["vocab_size"], (2, 7))
-    with pytest.raises(ValueError, match=refusal(TRACING, torch.__version__)):  # the check reads torch itself
+    with pytest.raises(ValueError, match=refusal(TRACING)):
         torch.export.export(small_model(), (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                             strict=False)
 
 
 def test_flex_attention_refuses(old_torch):
     """Where the implementation is chosen: at load and at set_attn_implementation; the model stays on its own."""
-    with pytest.raises(ValueError, match=refusal(FLEX, torch.__version__)):  # the model reads torch itself
+    with pytest.raises(ValueError, match=refusal(FLEX)):
         bi.BertImplModel(bi.BertImplConfig(**SMALL, attn_implementation="flex_attention"))
     model = small_model()
-    with pytest.raises(ValueError, match=refusal(FLEX, torch.__version__)):
+    with pytest.raises(ValueError, match=refusal(FLEX)):
         model.set_attn_implementation("flex_attention")
     assert model.config._attn_implementation != "flex_attention"

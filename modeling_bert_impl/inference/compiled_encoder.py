@@ -44,7 +44,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from . import avx2_gemm
 from ..bert_padding import UnpaddedLayout
 from ..modeling_bert_impl import BertImplModel
-from ..torch_support import require_torch
+from ..input_checks import require_tracing_torch
 from .frozen_model import InferenceModule, ModuleTree, inference_class, inference_copy
 from .fused_layers import UNMASKED_ATTENTION, group_size
 from .package_file import read_manifest, write_manifest
@@ -84,7 +84,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     other call runs `optimize_for_inference`'s path. The weights are the model's at this call: changing the model
     afterwards does not change the inference model (compile again). An int8 model's program runs `Int8Linear`'s traced
     formulation."""
-    require_torch("compile_for_inference")
+    require_tracing_torch("compile_for_inference", "or use optimize_for_inference (nothing traced)")
     base = base_of(model)
     if not isinstance(base, BertImplModel):
         raise ValueError(f"model: {type(model).__name__} is not a bert-impl model")

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ..torch_support import require_torch
+from ..input_checks import require_tracing_torch
 from .tasks import HEADS, TASKS, auto_class_of, head_class
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -75,7 +75,7 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
 
     from ..modeling_bert_impl import stock_name, write_stock_config
 
-    require_torch("ONNX export")
+    require_tracing_torch("ONNX export", "or serve the model in PyTorch (optimize_for_inference traces nothing)")
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
         raise SystemExit(f"{output_dir} exists and is not empty; choose another folder, or pass --overwrite to replace "
                          "the files there")
