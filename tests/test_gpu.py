@@ -286,6 +286,40 @@ def test_gradients_match_float64_reference(minilm_dir, batch, reference, layout,
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Code that looks inside the encoder, on the device: stock's tensors on a padded batch; padding-free without it
+# ---------------------------------------------------------------------------------------------------------------------
+def test_hooks_on_the_device_see_stock_tensors(minilm_dir, batch):
+    """fp32, SDPA, default config, the padded batch on the device: a forward hook that shifts [CLS] after layer 1 and
+    one that records layer 3's output give transformers' BertModel's recorded (B, T, H) tensor and last hidden state
+    (real tokens); without hooks the same batch runs the padding-free layout."""
+    from helpers import layouts_built
+
+    inputs, results = on(batch, DEVICE), {}
+    for name in ("stock", "ours"):
+        cls = transformers.BertModel if name == "stock" else bi.BertImplModel
+        model = cls.from_pretrained(minilm_dir, attn_implementation="sdpa").to(DEVICE).eval()
+        if name == "ours":
+            with torch.no_grad(), layouts_built(model) as built:
+                model(**inputs)
+            assert built  # nothing looks inside: padding-free
+        recorded = {}
+
+        def shift_cls(module, args, out):
+            out = out.clone()
+            out[:, 0] += 3.0
+            return out
+
+        model.encoder.layer[1].register_forward_hook(shift_cls)
+        model.encoder.layer[3].register_forward_hook(lambda module, args, out: recorded.setdefault("layer 3", out))
+        with torch.no_grad():
+            results[name] = real_rows(model(**inputs).last_hidden_state, batch, "padded"), recorded["layer 3"]
+    (stock_last, stock_layer), (our_last, our_layer) = results["stock"], results["ours"]
+    assert our_layer.shape == stock_layer.shape == (*batch["input_ids"].shape, 384)
+    assert (our_layer - stock_layer).abs().max() < FORWARD_TOL[torch.float32]
+    assert (our_last - stock_last).abs().max() < FORWARD_TOL[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Trainer: a few mixed-precision steps on the device, a checkpoint, and a resume from it
 # ---------------------------------------------------------------------------------------------------------------------
 def sentiment_examples(tokenizer, count: int) -> list[dict]:
