@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
@@ -100,7 +101,9 @@ register_checkpoint_conversion_mapping("bert_impl", old_names_conversion(), over
 # Embeddings and attention
 # ---------------------------------------------------------------------------------------------------------------------
 class BertImplEmbeddings(nn.Module):
-    """word + segment + learned position embeddings, LayerNorm, dropout: (B, T) ids -> (B, T, H)."""
+    """word + segment + learned position embeddings, LayerNorm, dropout: (B, T) ids -> (B, T, H). Stock's buffers of
+    the default ids, `position_ids` (0, 1, ...) and `token_type_ids` (zeros), both (1, max_position_embeddings), not
+    saved (code that slices them, as attribution tutorials do, finds them)."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
@@ -109,6 +112,9 @@ class BertImplEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = BertImplDropout(config.hidden_dropout_prob)
+        positions = torch.arange(config.max_position_embeddings)[None]  # (1, max_position_embeddings)
+        self.register_buffer("position_ids", positions, persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros_like(positions), persistent=False)
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, cache_length: int = 0,
                 **kwargs):
@@ -117,9 +123,9 @@ class BertImplEmbeddings(nn.Module):
         x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
         T, C = x.shape[1], cache_length or kwargs.get("past_key_values_length", 0)
         if position_ids is None:
-            position_ids = torch.arange(C, C + T, device=x.device)[None]  # (1, T)
+            position_ids = self.position_ids[:, C:C + T]  # (1, T)
         if token_type_ids is None:
-            token_type_ids = torch.zeros(T, dtype=torch.long, device=x.device)[None]  # (1, T)
+            token_type_ids = self.token_type_ids[:, :T]  # (1, T)
         x = x + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
         return self.dropout(self.LayerNorm(x))
 
@@ -505,10 +511,14 @@ class BertImplPreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         """PreTrainedModel's (Linear and Embedding ~ N(0, initializer_range), biases and the padding embedding zero,
-        LayerNorm to identity), and the MLM head's own bias zero."""
+        LayerNorm to identity), the MLM head's own bias zero, and the embeddings' buffers of default ids (never loaded:
+        they are not saved)."""
         super()._init_weights(module)
         if isinstance(module, BertImplLMPredictionHead):
             nn.init.zeros_(module.bias)
+        if isinstance(module, BertImplEmbeddings):
+            init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1])[None])
+            init.zeros_(module.token_type_ids)
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, *args, **kwargs):

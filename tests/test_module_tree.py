@@ -161,6 +161,29 @@ def small_batch():
             "labels": torch.tensor([0, 1, 1, 0])}
 
 
+@pytest.mark.parametrize("kind", [*OURS, "remote"])
+def test_stock_buffers_of_default_ids_exist_unsaved(kind, stock_dir, our_dir, one):
+    """`bert.embeddings.position_ids` and `.token_type_ids`: stock's names, shapes, dtypes and values, not in the
+    state dict (non-persistent, as stock's); a model built from a config has them too; code that slices them, as
+    attribution tutorials do, gets stock's inputs and stock's logits."""
+    stock, ours = load("stock", stock_dir, our_dir), load(kind, stock_dir, our_dir)
+    assert dict(ours.named_buffers()).keys() == dict(stock.named_buffers()).keys() == {
+        "bert.embeddings.position_ids", "bert.embeddings.token_type_ids"}
+    for name, expected in stock.named_buffers():
+        got = ours.get_buffer(name)
+        assert got.dtype == expected.dtype and torch.equal(got, expected), name
+    assert not any(key.endswith(("position_ids", "token_type_ids")) for key in ours.state_dict())
+    built = type(ours)(ours.config).bert.embeddings
+    assert torch.equal(built.position_ids, stock.bert.embeddings.position_ids)
+    assert torch.equal(built.token_type_ids, stock.bert.embeddings.token_type_ids)
+    T = one["input_ids"].shape[1]
+    with torch.no_grad():
+        logits = {name: model(input_ids=one["input_ids"], position_ids=model.bert.embeddings.position_ids[:, :T],
+                              token_type_ids=model.bert.embeddings.token_type_ids[:, :T]).logits
+                  for name, model in (("stock", stock), (kind, ours))}
+    assert max_diff(logits[kind], logits["stock"]) < TOL
+
+
 def test_freezing_lower_layers_trains_the_same_parameters(tmp_path):
     """`model.bert.encoder.layer[:k].requires_grad_(False)` then one AdamW step: the same parameter names change."""
     changed = {}
