@@ -5,9 +5,9 @@ from the `tokenization` package), so `AutoModelForX.from_pretrained(folder)` and
 give our classes without `trust_remote_code`. With peft installed, it also gives "bert_impl" peft's default target
 modules (`integrations.peft_support`).
 
-Layout: the checkpoint's code (configuration, model, padding helpers, input checks) flat here, copied into saved
-folders; the CPU inference engine in `inference/`; PEFT, `apply_bert_impl`, ONNX export and the model card in
-`integrations/`.
+Layout: the checkpoint's code (configuration, model, padding helpers, input checks, the stock format) flat here,
+copied into saved folders, importing nothing else of the package; the CPU inference engine in `inference/`; PEFT,
+`apply_bert_impl`, ONNX export and the model card in `integrations/`, given to the model by this file.
 """
 
 from transformers import AutoConfig, AutoTokenizer
@@ -29,7 +29,7 @@ from .modeling_bert_impl import (
     BertImplPreTrainedModel,
 )
 from .inference import compile_for_inference, optimize_for_inference, quantize_for_inference
-from .integrations.model_card import write_model_card
+from .integrations.model_card import replace_generic_card, write_model_card
 from .integrations.patching import apply_bert_impl, revert_bert_impl
 from .integrations.peft_support import register_peft_defaults
 
@@ -41,6 +41,7 @@ def _register() -> None:
     for auto_name, model_class in AUTO_CLASSES.items():
         getattr(transformers, auto_name).register(BertImplConfig, model_class, exist_ok=True)
     AutoTokenizer.register(BertImplConfig, tokenizer_class=BertImplTokenizer, exist_ok=True)
+    BertImplPreTrainedModel.card_writer = staticmethod(replace_generic_card)  # push_to_hub writes our model card
 
 
 _register()

@@ -3,6 +3,8 @@
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
+from .stock_format import our_name
+
 # name -> (num_hidden_layers, hidden_size, num_attention_heads); intermediate_size is 4 * hidden_size.
 # tiny..medium are the compact models of Turc et al. (2019); base and large are the paper's.
 PRESETS = {
@@ -78,8 +80,7 @@ class BertImplConfig(PreTrainedConfig):
         so it is done deliberately here instead of through transformers' warning about a model of another type."""
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
         if config_dict.get("model_type") == "bert":
-            architectures = [name.replace("Bert", "BertImpl", 1) if name.startswith("BertFor") or name == "BertModel"
-                             else name for name in config_dict.get("architectures") or []]
+            architectures = [our_name(name) for name in config_dict.get("architectures") or []]
             config_dict = {**config_dict, "model_type": cls.model_type, "architectures": architectures or None}
         return config_dict, kwargs
 

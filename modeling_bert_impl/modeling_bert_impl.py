@@ -25,7 +25,6 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
 from transformers.masking_utils import (
     ALL_MASK_ATTENTION_FUNCTIONS,
     and_masks,
@@ -44,10 +43,9 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
-from transformers.utils import logging
 
 from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, packed_position_ids
 from .configuration_bert_impl import BertImplConfig
@@ -60,40 +58,12 @@ from .input_checks import (
     require_tracing_torch,
     split_cache_mask,
 )
+from .stock_format import old_names_conversion, stock_name, write_stock_config
 
 logger = logging.get_logger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Checkpoints: the parameter names are stock BERT's, so stock folders load as they are. Folders saved before bert-impl
-# took them (`bert.layers.N.attn.qkv`, `ffn.up`, `mlm_head`, ...) load through this one map of their names to stock's.
-# ---------------------------------------------------------------------------------------------------------------------
-OLD_TO_STOCK = [
-    (r"embeddings\.norm\.", "embeddings.LayerNorm."),
-    (r"^bert\.layers\.", "bert.encoder.layer."),
-    (r"^layers\.", "encoder.layer."),
-    (r"\.attn\.out\.", ".attention.output.dense."),
-    (r"\.attn_norm\.", ".attention.output.LayerNorm."),
-    (r"\.ffn\.up\.", ".intermediate.dense."),
-    (r"\.ffn\.down\.", ".output.dense."),
-    (r"\.ffn_norm\.", ".output.LayerNorm."),
-    (r"^mlm_head\.dense\.", "cls.predictions.transform.dense."),
-    (r"^mlm_head\.norm\.", "cls.predictions.transform.LayerNorm."),
-    (r"^mlm_head\.decoder\.bias", "cls.predictions.bias"),  # stock ties the decoder's bias to this one
-    (r"^mlm_head\.decoder\.", "cls.predictions.decoder."),
-    (r"^nsp_head\.", "cls.seq_relationship."),
-]
-
-
-def old_names_conversion() -> list:
-    """What transformers applies to the keys of a folder with the old names when loading it (stock keys and ours pass
-    through untouched): the renamings, then the fused QKV projection cut into query, key and value."""
-    renamings = [WeightRenaming(source, target) for source, target in OLD_TO_STOCK]
-    qkv = WeightConverter(r"attn\.qkv\.", [r"attention.self.query.", r"attention.self.key.", r"attention.self.value."],
-                          operations=[Chunk(dim=0)])
-    return renamings + [qkv]
-
-
+# Folders saved before bert-impl took stock's names load through the map of their names to stock's (stock_format.py).
 register_checkpoint_conversion_mapping("bert_impl", old_names_conversion(), overwrite=True)
 
 
@@ -459,30 +429,6 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor, con
 # ---------------------------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------------------------
-OUR_CONFIG_FIELDS = ("auto_map", "unpad_inputs", "sparse_prediction")  # a stock config has none of them
-
-
-def write_stock_config(folder: str, architecture: str) -> None:
-    """Rewrite `folder`/config.json as plain transformers writes it for its class `architecture` (e.g. "BertModel"):
-    model_type "bert", no fields of ours, no `auto_map`."""
-    import json
-    import os
-
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    for key in OUR_CONFIG_FIELDS:
-        config.pop(key, None)
-    config.update(model_type="bert", architectures=[architecture])
-    with open(path, "w") as f:
-        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def stock_name(model_class: type) -> str:
-    """Our class -> transformers' class of the same head: BertImplForMaskedLM -> BertForMaskedLM."""
-    return model_class.__name__.replace("BertImpl", "Bert", 1).replace("OnBertConfig", "")
-
-
 class BertImplPreTrainedModel(PreTrainedModel):
     config_class = BertImplConfig
     config: BertImplConfig
@@ -549,15 +495,16 @@ class BertImplPreTrainedModel(PreTrainedModel):
         kwargs.setdefault("save_original_format", False)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    # push_to_hub's writer of our model card, card_writer(folder, model, repo_id): given by the package
+    # (modeling_bert_impl/__init__.py), which this checkpoint file does not import; None in a folder's copy of the code
+    # loaded without the package (transformers' card stays).
+    card_writer = None
+
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         """push_to_hub's upload step (also `save_pretrained(push_to_hub=True)`'s): where bert-impl is installed, the
         README.md transformers has just written is replaced by our model card, unless it is one of ours already."""
-        try:  # the model card is not a code file of saved folders: without the package, transformers' card stays
-            from modeling_bert_impl.integrations.model_card import replace_generic_card
-        except ImportError:
-            pass
-        else:
-            replace_generic_card(working_dir, self, repo_id)
+        if self.card_writer is not None:
+            self.card_writer(working_dir, self, repo_id)
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
     def save_stock_pretrained(self, save_directory: str, **kwargs) -> None:

@@ -38,7 +38,10 @@ from tokenization import BertImplTokenizer, tokenization_bert_impl
 TOL = 1e-5
 PACKAGE_DIR = Path(bi.__file__).parent
 # A saved folder carries the checkpoint's code only: no file of the CPU inference engine (inference/).
-CODE_FILES = ["modeling_bert_impl.py", "configuration_bert_impl.py", "bert_padding.py", "input_checks.py", "dropout.py"]
+CODE_FILES = [
+    "modeling_bert_impl.py", "configuration_bert_impl.py", "bert_padding.py", "input_checks.py", "dropout.py",
+    "stock_format.py",
+]
 MODEL_FILES = {"model.safetensors", "config.json", "README.md", *CODE_FILES}
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenization_bert_impl.py", "README.md"}
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)

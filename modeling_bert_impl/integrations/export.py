@@ -6,7 +6,7 @@ PyTorch in onnxruntime:
 
 MODEL is a folder or a Hub id; TASK one of the tasks of tasks.py's table (default: the folder's architecture).
 OUTPUT_DIR gets model.onnx (weights inside, or beside it in model.onnx.data above 1 GiB), config.json (stock BERT's,
-by the model file's `write_stock_config`), the tokenizer files when MODEL has them, and export.json (what was exported
+by `stock_format.write_stock_config`), the tokenizer files when MODEL has them, and export.json (what was exported
 and the measured max |diff| against PyTorch on a padded sample batch of another shape than the one exported). The
 graph is torch.export's of the padded path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask,
 token_type_ids, each (batch, sequence), or (batch, choices, sequence) for multiple choice.
@@ -73,7 +73,7 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
     import transformers
     from transformers import AutoConfig, AutoTokenizer
 
-    from ..modeling_bert_impl import stock_name, write_stock_config
+    from ..stock_format import stock_name, write_stock_config
 
     require_tracing_torch("ONNX export", "or serve the model in PyTorch (optimize_for_inference traces nothing)")
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:

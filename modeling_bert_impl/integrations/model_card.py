@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import PreTrainedConfig, PreTrainedModel
 
-from ..modeling_bert_impl import AUTO_CLASSES, stock_name
+from ..modeling_bert_impl import AUTO_CLASSES
+from ..stock_format import stock_name
 from .tasks import PIPELINE_TAGS, auto_class_of
 
 TAGS = ["bert", "bert_impl"]

@@ -24,12 +24,11 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.utils import logging
 
-from ..modeling_bert_impl import AUTO_CLASSES, stock_name, write_stock_config
+from ..modeling_bert_impl import AUTO_CLASSES
+from ..stock_format import OUR_FIELDS, stock_name, write_stock_config
 
 logger = logging.get_logger(__name__)
 
-# Our config fields, for a model built from a stock BertConfig (which has neither).
-STOCK_CONFIG_DEFAULTS = {"unpad_inputs": None, "sparse_prediction": False}
 
 
 def implements(config) -> bool:
@@ -49,7 +48,7 @@ class _OnStockConfig:
     stock_name: str  # transformers' class of the same head, e.g. "BertForSequenceClassification"
 
     def __init__(self, config, *args, **kwargs):
-        for field, default in STOCK_CONFIG_DEFAULTS.items():
+        for field, default in OUR_FIELDS.items():
             if not hasattr(config, field):
                 setattr(config, field, default)
         super().__init__(config, *args, **kwargs)
@@ -64,7 +63,7 @@ class _OnStockConfig:
     def from_pretrained(cls, *args, config=None, **kwargs):
         # Our config fields as keywords (`unpad_inputs=False`): BertConfig has no such fields, so they are set on the
         # loaded model's config (read at each forward) rather than passed on to its constructor.
-        ours = {field: kwargs.pop(field) for field in STOCK_CONFIG_DEFAULTS if field in kwargs}
+        ours = {field: kwargs.pop(field) for field in OUR_FIELDS if field in kwargs}
         if config is not None and not implements(config):
             logger.info(f"bert-impl does not implement this BERT config; loading transformers' {cls.stock_name}")
             return cls._stock_class().from_pretrained(*args, config=config, **kwargs)

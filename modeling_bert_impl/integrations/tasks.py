@@ -2,7 +2,8 @@
 file's `AUTO_CLASSES`), the task name `bert-impl-export --task` takes and the Hub's pipeline tag its model card
 carries. export.py and model_card.py read it; the classes themselves come from `AUTO_CLASSES`."""
 
-from ..modeling_bert_impl import AUTO_CLASSES, stock_name
+from ..modeling_bert_impl import AUTO_CLASSES
+from ..stock_format import stock_name
 
 # Auto class -> (task, the Hub's pipeline tag for that head; None where the Hub has no task for it)
 HEADS = {

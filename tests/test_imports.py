@@ -1,0 +1,85 @@
+"""The package's import graph, read from the source (every import, those inside functions included): no circle, and
+the checkpoint files (the top-level modules that saved folders carry) import nothing from `inference/` or
+`integrations/`, so that a folder's copy of the code needs only itself and transformers."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "modeling_bert_impl"
+NAME = PACKAGE.name
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, source: str | None = None) -> set[str]:
+    """The package's modules that `path` (or `source` as if it were at `path`) imports (a `from X import name` of a
+    submodule counts as that module)."""
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])) if (
+                node.level) else node.module
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name in modules and name != module_name(path)}
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+CHECKPOINT_FILES = sorted(module_name(p) for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+
+
+def test_the_checkpoint_files_are_the_ones_saved_folders_carry(tmp_path):
+    import modeling_bert_impl as bi
+
+    bi.BertImplModel(bi.BertImplConfig.from_preset("tiny", vocab_size=99)).save_pretrained(tmp_path)
+    assert sorted(f"{NAME}.{p.stem}" for p in tmp_path.glob("*.py")) == CHECKPOINT_FILES
+
+
+def test_checkpoint_files_import_only_each_other():
+    edges = graph()
+    for module in CHECKPOINT_FILES:
+        assert edges[module] <= set(CHECKPOINT_FILES), (module, edges[module] - set(CHECKPOINT_FILES))
+
+
+def circle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports (a package's own __init__ importing its children does not count), or None."""
+    state = {}  # module -> "open" while on the path, "done" after
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(edges[module]):
+            if target.startswith(f"{module}."):
+                continue
+            if state.get(target) == "open":
+                return [*path, module, target]
+            if target not in state and (found := visit(target, [*path, module])):
+                return found
+        state[module] = "done"
+        return None
+
+    return next((found for module in sorted(edges) if module not in state and (found := visit(module, []))), None)
+
+
+def test_no_import_circle():
+    assert circle(graph()) is None
+    assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the finder finds one
+
+
+def test_the_graph_reader_sees_imports_inside_functions():
+    """The upward import that was removed (the model file's, inside a method, to integrations.model_card) is
+    found."""
+    model_file = PACKAGE / "modeling_bert_impl.py"
+    assert {f"{NAME}.input_checks", f"{NAME}.stock_format"} <= imports(model_file)
+    upward = "def f():\n    from .integrations.model_card import replace_generic_card\n"
+    assert f"{NAME}.integrations.model_card" in imports(model_file, upward)
