@@ -174,6 +174,9 @@ def test_masked_lm_keeps_the_stock_output_contract(tmp_path, patched):
 
 
 def test_our_config_fields_are_from_pretrained_keywords(tmp_path, patched):
+    from modeling_bert_impl.stock_format import OUR_FIELDS
+
+    assert {field: getattr(bi.BertImplConfig(), field) for field in OUR_FIELDS} == OUR_FIELDS  # the same defaults
     torch.manual_seed(0)
     transformers.BertForSequenceClassification(BertConfig(**SMALL)).save_pretrained(tmp_path)
     batch = {"input_ids": torch.randint(1, 99, (2, 7)), "attention_mask": torch.tensor([[1] * 7, [1] * 4 + [0] * 3])}
