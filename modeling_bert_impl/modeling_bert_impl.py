@@ -246,6 +246,9 @@ class BertImplEncoder(nn.Module):
 FRAMEWORKS = {"torch", "transformers", "accelerate", "deepspeed", "peft", "bitsandbytes", "torchao",
               __name__.split(".")[0]}
 HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# Frameworks' layers that compute over the whole (B, T, H) batch, so that they need its layout: peft's Poly (each
+# example through its own mix of LoRA modules) and Lily (its router averaged over every position, padding included).
+BATCH_LAYOUT_LAYERS = ("peft.tuners.poly.", "peft.tuners.lily.")
 
 
 def origin(thing) -> str:
@@ -261,8 +264,9 @@ def foreign_hook(hooks: dict) -> str | None:
 
 def looking_inside(encoder: nn.Module) -> str | None:
     """What of the user's can observe or change the tensors between the encoder's modules, or None: a hook of theirs
-    on one of its modules (or on every module: a global hook), or a submodule of a class of theirs. Runs at each call
-    with padding, so it takes one Python step per module and does the rest in C."""
+    on one of its modules (or on every module: a global hook), a submodule of a class of theirs, or a framework's layer
+    that computes over the whole batch (`BATCH_LAYOUT_LAYERS`). Runs at each call with padding, so it takes one Python
+    step per module and does the rest in C."""
     from torch.nn.modules import module as torch_module
 
     for kind in HOOKS:
@@ -274,9 +278,10 @@ def looking_inside(encoder: nn.Module) -> str | None:
             modules.extend(module._modules.values())
     modules = list(filter(functools.partial(operator.is_not, None), modules))
     for cls in set(map(type, modules)):
-        if (package := cls.__module__.partition(".")[0]) not in FRAMEWORKS:
+        if (package := cls.__module__.partition(".")[0]) not in FRAMEWORKS or cls.__module__.startswith(
+                BATCH_LAYOUT_LAYERS):
             module = next(m for m in modules if type(m) is cls)
-            return f"`{name_in(encoder, module)}` is a {cls.__name__} (from {package!r})"
+            return f"`{name_in(encoder, module)}` is a {cls.__name__} (from {cls.__module__!r})"
     for kind in HOOKS:
         for module in filter(operator.attrgetter(kind), modules):  # the modules with such hooks
             if package := foreign_hook(getattr(module, kind)):

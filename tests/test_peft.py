@@ -154,7 +154,7 @@ def test_adapter_trained_on_either_model_loads_on_the_other(wide_stock_dir, tmp_
     on_ours = perturbed(adapted(ours(wide_stock_dir), method))
     from_ours = logits(on_ours, inputs, **extra)
     on_ours.save_pretrained(tmp_path / "from-ours")
-    assert on_ours.get_base_model().config.unpad_inputs is (False if method in PADDED_LAYOUT else None)
+    assert on_ours.get_base_model().config.unpad_inputs is None  # Poly and Lily: padded by the layout rule
 
     diffs = {
         "stock adapter on ours": logits(PeftModel.from_pretrained(ours(wide_stock_dir), tmp_path / "from-stock"),
@@ -234,7 +234,6 @@ def test_default_target_modules_are_stock_ones(wide_stock_dir, method):
     if method == "IA3":
         feedforward = lambda m: {n for n, mod in m.named_modules() if getattr(mod, "is_feedforward", False)}  # noqa
         assert feedforward(model) == feedforward(on_stock) and feedforward(model)
-    assert model.get_base_model().config.unpad_inputs is (False if method in PADDED_LAYOUT else None)
 
 
 def test_defaults_on_stock_folders_loaded_through_the_patch(stock_dir):
@@ -250,17 +249,23 @@ def test_defaults_on_stock_folders_loaded_through_the_patch(stock_dir):
     assert {n.split(".")[-1] for n in patched.base_model.targeted_module_names} == {"query", "value"}
 
 
-def test_poly_and_lily_switch_to_padded_batches_with_stock_answers(stock_dir):
+def test_poly_and_lily_run_padded_batches_with_stock_answers(stock_dir):
     """Poly mixes LoRA modules per example and Lily averages its router over every position of the batch, padding
     included: on the padding-free rows their answers would differ from stock's (Lily's by ~4e-4 here), so our model
-    runs them on padded batches, where they are stock's."""
+    runs them on padded batches (their layers are in BATCH_LAYOUT_LAYERS), where they are stock's; LoRA's stay
+    padding-free."""
     inputs = batch()
     for method in sorted(PADDED_LAYOUT & set(peft.PeftType.__members__)):  # Lily is newer than peft 0.18
         extra = forward_extra(method, inputs)
         expected = logits(perturbed(adapted(stock(stock_dir), method)), inputs, **extra)
         model = perturbed(adapted(ours(stock_dir), method))
-        assert model.get_base_model().config.unpad_inputs is False, method
-        assert (logits(model, inputs, **extra) - expected).abs().max() < TOL, method
+        with layouts_built(model.get_base_model()) as built:
+            got = logits(model, inputs, **extra)
+        assert built == [] and (got - expected).abs().max() < TOL, method
+    lora = adapted(ours(stock_dir), "LORA")
+    with layouts_built(lora.get_base_model()) as built:
+        logits(lora, inputs)
+    assert built, "LoRA's layers keep the padding-free layout"
 
 
 def test_trainer_lora_save_reload_merge(stock_dir, tmp_path):
