@@ -278,8 +278,7 @@ def looking_inside(encoder: nn.Module) -> str | None:
             modules.extend(module._modules.values())
     modules = list(filter(functools.partial(operator.is_not, None), modules))
     for cls in set(map(type, modules)):
-        if (package := cls.__module__.partition(".")[0]) not in FRAMEWORKS or cls.__module__.startswith(
-                BATCH_LAYOUT_LAYERS):
+        if origin(cls) not in FRAMEWORKS or cls.__module__.startswith(BATCH_LAYOUT_LAYERS):
             module = next(m for m in modules if type(m) is cls)
             return f"`{name_in(encoder, module)}` is a {cls.__name__} (from {cls.__module__!r})"
     for kind in HOOKS:
