@@ -2,6 +2,7 @@
 
     python benchmarks/bench_serving_soak.py                       # every path, 6,000 calls each, 1 thread
     python benchmarks/bench_serving_soak.py --paths default optimized --calls 2000
+    python benchmarks/bench_serving_soak.py --paths stock default --max_rows 32 --dense 0.5   # more rows, dense too
 
 Each path runs in a process of its own (all-MiniLM-L6-v2, CPU, float32, `torch.inference_mode`): stock transformers'
 BertModel, bert-impl's model as loaded ("default"), `optimize_for_inference` ("optimized"), `compile_for_inference`
@@ -34,15 +35,18 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def calls(count: int, vocab: int, seed: int = 0):
-    """`count` padded batches (input_ids, attention_mask) of random shapes, at most 512 tokens each."""
+def calls(count: int, vocab: int, seed: int = 0, max_rows: int = 8, dense: float = 0.0):
+    """`count` padded batches (input_ids, attention_mask) of random shapes: 1 to `max_rows` sequences, at most 512
+    tokens each; a `dense` share of them without padding (every sequence as long as the longest)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     for _ in range(count):
-        B = int(torch.randint(1, 9, (), generator=g))
+        B = int(torch.randint(1, max_rows + 1, (), generator=g))
         T = int(torch.randint(2, 512 // B + 1, (), generator=g))
         lengths = torch.randint(2, T + 1, (B,), generator=g)
+        if float(torch.rand((), generator=g)) < dense:
+            lengths.fill_(T)
         lengths[0] = T
         mask = (torch.arange(T) < lengths[:, None]).long()
         yield torch.randint(1000, vocab, (B, T), generator=g) * mask, mask
@@ -76,7 +80,8 @@ def soak(path: str, args) -> dict:
     model = model_for(path, args.model, args.package_dir)
     curve, start = [(0, rss_mb())], time.perf_counter()
     with torch.inference_mode():
-        for i, (ids, mask) in enumerate(calls(args.calls, model.config.vocab_size), 1):
+        for i, (ids, mask) in enumerate(calls(args.calls, model.config.vocab_size, max_rows=args.max_rows,
+                                              dense=args.dense), 1):
             model(input_ids=ids, attention_mask=mask)
             if i % args.every == 0:
                 curve.append((i, rss_mb()))
@@ -90,6 +95,8 @@ def main():
     parser.add_argument("--calls", type=int, default=6000)
     parser.add_argument("--every", type=int, default=500, help="calls between RSS readings")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max_rows", type=int, default=8, help="the most sequences a call has (at least 1 each)")
+    parser.add_argument("--dense", type=float, default=0.0, help="the share of calls without padding")
     parser.add_argument("--package_dir", default="/tmp/bert_impl_soak", help="where the compiled path's package goes")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one path in this process, print its JSON
     args = parser.parse_args()
@@ -105,8 +112,8 @@ def main():
         subprocess.run([sys.executable, "-c", "import sys, modeling_bert_impl as bi; "
                         "bi.compile_for_inference(bi.BertImplModel.from_pretrained(sys.argv[1]), sys.argv[2])",
                         args.model, os.path.join(args.package_dir, "soak.pt2")], check=True)
-    print(f"{args.calls} calls of random shapes (1-8 sequences, at most 512 tokens), {args.threads} thread(s); "
-          f"load {loadavg()}")
+    print(f"{args.calls} calls of random shapes (1-{args.max_rows} sequences, at most 512 tokens, {args.dense:.0%} "
+          f"without padding), {args.threads} thread(s); load {loadavg()}")
     results = []
     for path in args.paths:
         command = [sys.executable, __file__, "--one", path, *sys.argv[1:]]
