@@ -45,7 +45,7 @@ def calls(count: int, vocab: int, seed: int = 0, max_rows: int = 8, dense: float
         B = int(torch.randint(1, max_rows + 1, (), generator=g))
         T = int(torch.randint(2, 512 // B + 1, (), generator=g))
         lengths = torch.randint(2, T + 1, (B,), generator=g)
-        if float(torch.rand((), generator=g)) < dense:
+        if dense and float(torch.rand((), generator=g)) < dense:  # (no draw without: the same calls as before)
             lengths.fill_(T)
         lengths[0] = T
         mask = (torch.arange(T) < lengths[:, None]).long()
