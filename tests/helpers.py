@@ -3,6 +3,8 @@
 import contextlib
 import sys
 
+import torch
+
 
 @contextlib.contextmanager
 def layouts_built(model):
@@ -22,3 +24,10 @@ def layouts_built(model):
         yield built
     finally:
         layout_class.build = original
+
+
+def max_diff(a, b) -> float:
+    """max |a - b| of two tensors (or what torch.as_tensor takes) of the same shape."""
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()

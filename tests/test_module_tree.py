@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
 import modeling_bert_impl as bi
-from helpers import layouts_built
+from helpers import layouts_built, max_diff
 from modeling_bert_impl.modeling_bert_impl import stock_name
 
 captum_attr = pytest.importorskip("captum.attr")
@@ -39,11 +39,6 @@ SENTENCES = [
     "A fourth sentence of middling length.",
 ]
 LEGACY = Path(__file__).parent / "fixtures" / "legacy_names"
-
-
-def max_diff(a, b) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
 
 
 def stock_class(ours: type) -> type:

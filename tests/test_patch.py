@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
 import modeling_bert_impl as bi
-from helpers import layouts_built
+from helpers import layouts_built, max_diff
 
 TOL = 1e-5
 SENTENCES = [
@@ -40,10 +40,6 @@ def classifier_dir(minilm_dir, tmp_path_factory):
     transformers.BertForSequenceClassification.from_pretrained(minilm_dir, num_labels=3).save_pretrained(folder)
     AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(folder)
     return str(folder)
-
-
-def max_diff(a, b) -> float:
-    return (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
 
 
 def test_auto_pipeline_and_sentence_transformers_run_ours_then_stock_after_undo(minilm_dir, classifier_dir):
