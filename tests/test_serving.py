@@ -239,6 +239,38 @@ def test_state_dict_copies_and_dtypes(minilm_dir, reference):
     reference.float()
 
 
+class Scaled(torch.nn.Module):
+    """A user's wrapper around a linear layer."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 0.5
+
+
+def test_a_wrapped_query_runs_as_it_is_or_is_refused_by_name(tmp_path):
+    """A user's wrapper around `attention.self.query`: optimize_for_inference runs it as it is (the eager model's
+    answers); quantize_for_inference and compile_for_inference, which read a linear layer's weights there, refuse
+    with a ValueError naming it (it was an AttributeError from inside the engine)."""
+    torch.manual_seed(0)
+    model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+    model.encoder.layer[1].attention.self.query = Scaled(model.encoder.layer[1].attention.self.query)
+    ids = torch.randint(1, SMALL["vocab_size"], (3, 9))
+    mask = (torch.arange(9) < torch.tensor([9, 5, 2])[:, None]).long()
+    with torch.no_grad():
+        expected = model(ids, mask).last_hidden_state
+        got = bi.optimize_for_inference(model)(ids, mask).last_hidden_state
+    assert (got - expected).abs().max() < 1e-5
+    refusal = re.escape("`encoder.layer.1.attention.self.query` is a Scaled, not the linear layer ")
+    with pytest.raises(ValueError, match=refusal + "quantize_for_inference takes"):
+        bi.quantize_for_inference(model, [{"input_ids": ids, "attention_mask": mask}])
+    if bi.input_checks.TRACING_SUPPORTED:  # below torch 2.13 compile_for_inference refuses first (the torch gate)
+        with pytest.raises(ValueError, match=refusal + "compile_for_inference takes"):
+            bi.compile_for_inference(model, tmp_path / "wrapped.pt2")
+
+
 def test_observed_layers_take_the_modules(minilm_dir, fused_calls):
     """A forward hook on a layer of the inference model sees what it always saw (the product before the GELU): with
     it the layers run as modules; without it, fused again."""

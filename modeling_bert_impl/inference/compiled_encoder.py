@@ -43,14 +43,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from . import avx2_gemm
 from ..bert_padding import UnpaddedLayout
-from ..modeling_bert_impl import BertImplModel
 from ..input_checks import require_tracing_torch
+from ..modeling_bert_impl import BertImplModel
 from .frozen_model import InferenceModule, ModuleTree, inference_class, inference_copy
 from .fused_layers import UNMASKED_ATTENTION, group_size
 from .package_file import read_manifest, write_manifest
 from .packed_linear import untraced
 from .quantization import Int8Linear
-from .serving import base_of, optimize_copy
+from .serving import base_of, optimize_copy, refuse_foreign_products
 
 FORMAT = "bert-impl compiled model 6"  # what the package's metadata says it holds; a new layout gets a new number
 
@@ -88,6 +88,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     base = base_of(model)
     if not isinstance(base, BertImplModel):
         raise ValueError(f"model: {type(model).__name__} is not a bert-impl model")
+    refuse_foreign_products(base.encoder, "compile_for_inference", (nn.Linear, Int8Linear))
     if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in base.parameters()):
         raise ValueError("model: compile_for_inference compiles for CPU in float32; move the model with "
                          "`.float().cpu()` first")

@@ -38,7 +38,7 @@ from torch import nn
 from .frozen_model import inference_copy
 from .fused_layers import LayerProducts, ModuleProduct, fuse_encoder
 from .packed_linear import pack_linears, untraced_inference
-from .serving import base_of, encoder_linears
+from .serving import base_of, encoder_linears, refuse_foreign_products
 
 DECOMPOSED = torch.ops.quantized_decomposed
 ROWS_UINT8 = (1 / 127, 128, 0, 255, torch.uint8)  # scale, zero point, range, dtype: [-1, 1] in 255 steps
@@ -193,6 +193,7 @@ def quantize_for_inference(model: nn.Module, calibration) -> nn.Module:
     targets = encoder_linears(encoder) if encoder is not None else []
     if not targets:
         raise ValueError(f"model: {type(model).__name__} has no encoder linear layers to quantize")
+    refuse_foreign_products(encoder, "quantize_for_inference", (nn.Linear,))
     if any(layer.weight.device.type != "cpu" or layer.weight.dtype != torch.float32 for _, _, layer in targets):
         raise ValueError("model: int8 inference runs on CPU in float32; move the model with `.float().cpu()` first")
     sites = [site for layer in encoder.layer for site in layer_sites(layer)]

@@ -46,6 +46,22 @@ def packed_layer(layer: nn.Module) -> bool:
     return all(type(linear) is PackedLinear for linear in linears)
 
 
+LAYER_PRODUCTS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+                  "intermediate.dense", "output.dense")  # a layer's linears, by their stock names
+
+
+def refuse_foreign_products(encoder: nn.Module, engine: str, kinds: tuple[type, ...]) -> None:
+    """A ValueError naming the first product of the encoder's layers that is not one of `kinds` (a user's wrapper
+    around a query, say), whose weights `engine` would read."""
+    for i, layer in enumerate(encoder.layer):
+        for path in LAYER_PRODUCTS:
+            if not isinstance(module := layer.get_submodule(path), kinds):
+                raise ValueError(
+                    f"model: `encoder.layer.{i}.{path}` is a {type(module).__name__}, not the linear layer {engine} "
+                    f"takes there; call {engine} before replacing it, or use optimize_for_inference, which runs such "
+                    "a module as it is")
+
+
 def encoder_linears(encoder: nn.Module, kind: type = nn.Linear) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, attribute, layer) for every `kind` (nn.Linear, Int8Linear) inside the encoder's layers."""
     return [(parent, name, child) for parent in encoder.layer.modules() for name, child in parent.named_children()
