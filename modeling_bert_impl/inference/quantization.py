@@ -38,7 +38,7 @@ from torch import nn
 from .frozen_model import inference_copy
 from .fused_layers import LayerProducts, ModuleProduct, fuse_encoder
 from .packed_linear import pack_linears, untraced_inference
-from .serving import base_of, encoder_linears, refuse_foreign_products
+from .serving import LAYER_PRODUCTS, base_of, encoder_linears, refuse_foreign_products
 
 DECOMPOSED = torch.ops.quantized_decomposed
 ROWS_UINT8 = (1 / 127, 128, 0, 255, torch.uint8)  # scale, zero point, range, dtype: [-1, 1] in 255 steps
@@ -173,10 +173,9 @@ class Int8Linear(nn.Module):
 def layer_sites(layer: nn.Module) -> list[tuple[list[nn.Module], list[tuple[nn.Module, str]]]]:
     """A layer's products, each as (its nn.Linear layers, where they sit): query, key and value (one input, one
     product), the attention output's, the feed-forward's two."""
-    attention = layer.attention.self
-    qkv = [(attention, name) for name in ("query", "key", "value")]
-    others = [[(layer.attention.output, "dense")], [(layer.intermediate, "dense")], [(layer.output, "dense")]]
-    return [([getattr(p, n) for p, n in places], places) for places in [qkv, *others]]
+    places = [(layer.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2]) for path in LAYER_PRODUCTS]
+    groups = [places[:3], *([place] for place in places[3:])]  # query, key, value: LAYER_PRODUCTS' first three
+    return [([getattr(parent, name) for parent, name in group], group) for group in groups]
 
 
 @torch.no_grad()

@@ -38,24 +38,26 @@ def optimize_copy(model: nn.Module) -> nn.Module:
     return model
 
 
-def packed_layer(layer: nn.Module) -> bool:
-    """Whether every product of `layer` is a PackedLinear (not int8, not replaced)."""
-    attention = layer.attention.self
-    linears = (attention.query, attention.key, attention.value, layer.attention.output.dense, layer.intermediate.dense,
-               layer.output.dense)
-    return all(type(linear) is PackedLinear for linear in linears)
-
-
 LAYER_PRODUCTS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
                   "intermediate.dense", "output.dense")  # a layer's linears, by their stock names
+
+
+def layer_products(layer: nn.Module) -> list[nn.Module]:
+    """The modules at a layer's LAYER_PRODUCTS (its linears, or whatever replaced them), in that order."""
+    return [layer.get_submodule(path) for path in LAYER_PRODUCTS]
+
+
+def packed_layer(layer: nn.Module) -> bool:
+    """Whether every product of `layer` is a PackedLinear (not int8, not replaced)."""
+    return all(type(linear) is PackedLinear for linear in layer_products(layer))
 
 
 def refuse_foreign_products(encoder: nn.Module, engine: str, kinds: tuple[type, ...]) -> None:
     """A ValueError naming the first product of the encoder's layers that is not one of `kinds` (a user's wrapper
     around a query, say), whose weights `engine` would read."""
     for i, layer in enumerate(encoder.layer):
-        for path in LAYER_PRODUCTS:
-            if not isinstance(module := layer.get_submodule(path), kinds):
+        for path, module in zip(LAYER_PRODUCTS, layer_products(layer)):
+            if not isinstance(module, kinds):
                 raise ValueError(
                     f"model: `encoder.layer.{i}.{path}` is a {type(module).__name__}, not the linear layer {engine} "
                     f"takes there; call {engine} before replacing it, or use optimize_for_inference, which runs such "

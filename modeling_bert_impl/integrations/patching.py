@@ -30,7 +30,6 @@ from ..stock_format import OUR_FIELDS, stock_name, write_stock_config
 logger = logging.get_logger(__name__)
 
 
-
 def implements(config) -> bool:
     """Whether bert-impl computes what this stock BertConfig describes (a bidirectional encoder, absolute positions)."""
     return (
