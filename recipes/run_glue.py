@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from transformers import DataCollatorWithPadding, Trainer, default_data_collator, set_seed
 
+import checkpoints
 import common
+import user_files
 from metrics import accuracy, glue_metrics, pearson_and_spearman
 from modeling_bert_impl import BertImplForSequenceClassification
 
@@ -101,12 +103,12 @@ def check_labels(raw, files: dict[str, str], label_column: str, classes: bool) -
     labelled = [s for s in ("train", "validation") if s in files and label_column in raw[s].column_names]
     for split in labelled:
         empty = [i for i, v in enumerate(raw[split][label_column]) if v is None or v != v]  # None, NaN
-        common.refuse_rows(files[split], empty, f"have an empty {label_column!r}", "Fill in the labels or remove the "
+        user_files.refuse_rows(files[split], empty, f"have an empty {label_column!r}", "Fill in the labels or remove the "
                            "rows.")
     if classes and labelled == ["train", "validation"]:
         known = {str(v) for v in raw["train"].unique(label_column)}
         unseen = [i for i, v in enumerate(raw["validation"][label_column]) if str(v) not in known]
-        common.refuse_rows(files["validation"], unseen, f"have a {label_column!r} that {files['train']} never has "
+        user_files.refuse_rows(files["validation"], unseen, f"have a {label_column!r} that {files['train']} never has "
                            f"(its labels: {', '.join(sorted(known))})", "The model cannot learn such a class: correct "
                            "the labels, or add training examples of it.")
 
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> Trainer:
 
     train_dataset = prepare("train", data_args.max_train_samples) if training_args.do_train else None
     eval_datasets = {s: prepare(s, data_args.max_eval_samples) for s in eval_splits} if training_args.do_eval else {}
-    trainer = common.RecipeTrainer(
+    trainer = checkpoints.RecipeTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

@@ -27,7 +27,9 @@ import datasets
 import numpy as np
 from transformers import DataCollatorForTokenClassification, Trainer, default_data_collator, set_seed
 
+import checkpoints
 import common
+import user_files
 from metrics import seqeval_metrics
 from modeling_bert_impl import BertImplForTokenClassification
 
@@ -45,10 +47,10 @@ class DataArguments(common.DataArguments):
 
 def read_conll(path: str) -> datasets.Dataset:
     """A CoNLL column file as a Dataset with columns id, tokens, ner_tags (tag strings). A ValueError naming the file
-    (and the line) when it is missing, empty, not UTF-8 (`common.read_text`), has a line without a tag, or holds no
+    (and the line) when it is missing, empty, not UTF-8 (`user_files.read_text`), has a line without a tag, or holds no
     sentence."""
     sentences, tokens, tags = [], [], []
-    for number, line in enumerate(common.read_text(path).split("\n"), 1):
+    for number, line in enumerate(user_files.read_text(path).split("\n"), 1):
         parts = line.split()
         if not parts or parts[0] == "-DOCSTART-":
             if tokens:
@@ -74,15 +76,15 @@ def read_conll(path: str) -> datasets.Dataset:
 def read_file(path: str) -> datasets.Dataset:
     if path.rsplit(".", 1)[-1].lower() in ("txt", "conll"):
         return read_conll(path)
-    return common.read_table(path)
+    return user_files.read_table(path)
 
 
 def refuse_sentences(path: str, rows: list[int], problem: str, advice: str) -> None:
-    """`common.refuse_rows` for sentences: a CoNLL file's sentences are numbered, not located by line."""
+    """`user_files.refuse_rows` for sentences: a CoNLL file's sentences are numbered, not located by line."""
     if rows and path.rsplit(".", 1)[-1].lower() in ("txt", "conll"):
         shown = ", ".join(str(i + 1) for i in rows[:5]) + (", ..." if len(rows) > 5 else "")
         raise ValueError(f"{path}: {len(rows)} sentence(s) {problem}: sentence(s) {shown}. {advice}")
-    common.refuse_rows(path, rows, problem, advice)
+    user_files.refuse_rows(path, rows, problem, advice)
 
 
 def check_sentences(raw, files: dict[str, str], words: str, tags: str) -> None:
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> Trainer:
 
 def run(model_args: common.ModelArguments, data_args: DataArguments, training_args: common.RecipeTrainingArguments,
         argv: list[str] | None = None, script: str = __file__) -> Trainer:
-    """The recipe on parsed arguments (their output directory checked by `common.prepare_run`); `script` and `argv`
+    """The recipe on parsed arguments (their output directory checked by `checkpoints.prepare_run`); `script` and `argv`
     are the command the model card records. run_ner_features.py --fine_tune calls it for the table's fine-tuning row."""
     set_seed(training_args.seed)
 
@@ -202,7 +204,7 @@ def run(model_args: common.ModelArguments, data_args: DataArguments, training_ar
         train_dataset = prepare("train", data_args.max_train_samples, label_all_tokens=data_args.label_all_tokens)
     eval_dataset = prepare("validation", data_args.max_eval_samples) if training_args.do_eval else None
     collator = default_data_collator if data_args.pad_to_max_length else DataCollatorForTokenClassification(tokenizer)
-    trainer = common.RecipeTrainer(
+    trainer = checkpoints.RecipeTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

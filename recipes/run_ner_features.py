@@ -52,6 +52,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Trainer, set_seed
 
+import checkpoints
 import common
 import run_ner
 from metrics import seqeval_metrics
@@ -383,7 +384,7 @@ def fine_tune(model_args: common.ModelArguments, data_args: DataArguments,
         learning_rate=data_args.fine_tune_learning_rate, num_train_epochs=data_args.fine_tune_epochs,
         do_train=True, do_eval=True, do_predict=False, resume_from_checkpoint=None,
     )
-    common.prepare_run(args)  # refuses a fine_tuning folder holding an earlier run, as run_ner.py does
+    checkpoints.prepare_run(args)  # refuses a fine_tuning folder holding an earlier run, as run_ner.py does
     run_ner.run(model_args, data_args, args, argv, script=__file__)
     return read_fine_tuned_f1(args.output_dir)
 

@@ -7,7 +7,7 @@ within a wall-clock budget (`--time_budget 2h`).
 Every `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`,
 `--push_to_hub`, `--report_to`, ...), and the script runs as is under `torchrun` and `accelerate launch`.
 See recipes/PRETRAINING.md for the paper's recipe and the modern one side by side. As in the fine-tuning recipes
-(`common.py`), an --output_dir holding an earlier run is refused without --overwrite_output_dir, checkpoints are
+(`checkpoints.py`), an --output_dir holding an earlier run is refused without --overwrite_output_dir, checkpoints are
 written all-or-nothing, and `--resume_from_checkpoint last` takes the newest complete one.
 
     python recipes/run_pretraining.py --config_name base --tokenizer_name bert-base-uncased \
@@ -40,7 +40,10 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, HfArgumentParser, TrainerCallback, TrainingArguments, get_scheduler, set_seed
 from transformers.trainer_callback import ExportableState, ProgressCallback
 
+import checkpoints
 import common
+import sources
+import user_files
 from modeling_bert_impl import PRESETS, BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining
 from pretraining_data import (
     DataCollatorForPreTraining,
@@ -223,7 +226,7 @@ def load_tokenizer(model_args: ModelArguments):
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if name is None:
         raise ValueError("pass --tokenizer_name (a BERT tokenizer folder or Hub id), or --model_name_or_path")
-    common.require_sources(model_args)
+    sources.require_sources(model_args)
     kwargs = {"cache_dir": model_args.cache_dir, "token": model_args.token}
     try:
         from tokenization import BertImplTokenizer
@@ -295,7 +298,7 @@ def load_hub_text(data_args: DataTrainingArguments, model_args: ModelArguments, 
 
 def corpus_files(patterns: list[str]) -> list[str]:
     """The files that --train_file / --validation_file `patterns` (paths or globs) name, each read through once
-    (`common.check_text_file`, a chunk at a time): a ValueError naming the file when one is missing, empty or not UTF-8
+    (`user_files.check_text_file`, a chunk at a time): a ValueError naming the file when one is missing, empty or not UTF-8
     (with the line and column of the first bad byte), or when a glob matches nothing. Remote paths (`hf://`,
     `https://`) are passed on unchecked."""
     paths = []
@@ -307,7 +310,7 @@ def corpus_files(patterns: list[str]) -> list[str]:
         if not matched:
             raise ValueError(f"{pattern}: no file matches")
         for path in matched:
-            common.check_text_file(path)
+            user_files.check_text_file(path)
         paths += matched
     return paths
 
@@ -813,7 +816,7 @@ class IntervalClock(TrainerCallback):
         self.trainer.interval_start, self.trainer.interval_step = time.perf_counter(), state.global_step
 
 
-class PreTrainingTrainer(common.RecipeTrainer):
+class PreTrainingTrainer(checkpoints.RecipeTrainer):
     """`Trainer` that logs the MLM (and NSP) losses and accuracies and the throughput of the training steps, evaluates
     with fixed masks, and optionally packs windows by document (`document_attention`), trains in length phases
     (`phased`, a `PhasedData`) and within a wall-clock budget (`budget`, a `TimeBudget`).
@@ -944,14 +947,14 @@ class PreTrainingTrainer(common.RecipeTrainer):
 # Main
 # ---------------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None):
-    """The four argument groups (model, data, run, training), then `common.prepare_run`: the output directory guard and
+    """The four argument groups (model, data, run, training), then `checkpoints.prepare_run`: the output directory guard and
     the checkpoint to resume."""
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, RunArguments, common.RecipeTrainingArguments))
     if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
         parsed = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
     else:
         parsed = parser.parse_args_into_dataclasses(args=argv)
-    common.prepare_run(parsed[-1])
+    checkpoints.prepare_run(parsed[-1])
     return parsed
 
 

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 import datasets
 from transformers import DataCollatorWithPadding, Trainer, default_data_collator, set_seed
 
+import checkpoints
 import common
+import user_files
 from modeling_bert_impl import BertImplForQuestionAnswering
 from qa_utils import (
     answer_mismatches, answer_token_span, flatten_squad, postprocess_qa_predictions, squad_metrics, tokenize_windows,
@@ -78,9 +80,9 @@ class DataArguments(common.DataArguments):
 def read_squad(path: str) -> datasets.Dataset:
     """A SQuAD file: the official nested JSON, or flattened records as a JSON list, {"data": [...]} or JSON lines.
     A record without id, context or question is a ValueError naming the file and where in it."""
-    text = common.read_text(path)
+    text = user_files.read_text(path)
     if path.endswith(".jsonl"):
-        numbered = [(f"line {line}", record) for line, record in common.json_records(path, text)]
+        numbered = [(f"line {line}", record) for line, record in user_files.json_records(path, text)]
     else:
         try:
             records = json.loads(text)
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> Trainer:
         last_eval["predictions"], last_eval["null_odds"] = decode(eval_examples, eval_features, *p.predictions)
         return score(eval_examples, last_eval["predictions"], last_eval["null_odds"])
 
-    trainer = common.RecipeTrainer(
+    trainer = checkpoints.RecipeTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from transformers import Trainer, set_seed
 
+import checkpoints
 import common
+import user_files
 from metrics import accuracy
 from modeling_bert_impl import BertImplForMultipleChoice
 
@@ -39,11 +41,11 @@ def check_examples(raw, files: dict[str, str]) -> None:
                              f"; SWAG files have sent1, sent2, {', '.join(ENDINGS)} and label")
         for column in ("sent1", "sent2", *ENDINGS):
             empty = [i for i, v in enumerate(dataset[column]) if v is None]
-            common.refuse_rows(path, empty, f"have an empty {column!r}", "Fill it in or remove the rows.")
+            user_files.refuse_rows(path, empty, f"have an empty {column!r}", "Fill it in or remove the rows.")
         if "label" in dataset.column_names and split != "test":
             bad = [i for i, v in enumerate(dataset["label"])
                    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v not in range(NUM_CHOICES)]
-            common.refuse_rows(path, bad, f"have a label that is not the index of an ending, 0 to {NUM_CHOICES - 1}",
+            user_files.refuse_rows(path, bad, f"have a label that is not the index of an ending, 0 to {NUM_CHOICES - 1}",
                                "Correct the labels.")
 
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> Trainer:
 
     train_dataset = prepare("train", data_args.max_train_samples) if training_args.do_train else None
     eval_dataset = prepare("validation", data_args.max_eval_samples) if training_args.do_eval else None
-    trainer = common.RecipeTrainer(
+    trainer = checkpoints.RecipeTrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,

@@ -19,12 +19,15 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 sys.path.insert(0, str(RECIPES))
 
+import checkpoints  # noqa: E402
 import common  # noqa: E402
+import redaction  # noqa: E402
 import run_glue  # noqa: E402
 import run_ner  # noqa: E402
 import run_pretraining  # noqa: E402
 import run_qa  # noqa: E402
 import run_swag  # noqa: E402
+import user_files  # noqa: E402
 
 COMMON = ["--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0", "--max_seq_length", "32"]
 
@@ -297,16 +300,16 @@ def test_text_chunks_reads_a_chunk_at_a_time_and_counts_lines_across_chunks(tmp_
     text = "".join(f"sentence {i} in a caf\u00e9\n" for i in range(50))
     path = tmp_path / "corpus.txt"
     path.write_text(text, encoding="utf-8")
-    chunks = list(common.text_chunks(str(path), chunk_bytes=7))
+    chunks = list(user_files.text_chunks(str(path), chunk_bytes=7))
     assert "".join(chunks) == text and max(map(len, chunks)) <= 7 and len(chunks) > 50
     path.write_bytes(text.encode().replace("sentence 37 in a caf\u00e9".encode(), b"sentence 37 in a caf\xe9"))
     truncated = tmp_path / "truncated.txt"
     truncated.write_bytes(text.encode() + b"the end \xe2\x82")  # cut inside a 3-byte character
     for size in (1, 2, 3, 7, 1 << 20):
         with pytest.raises(ValueError, match=r"corpus.txt, line 38, column 21: byte 0xe9 is not UTF-8"):
-            list(common.text_chunks(str(path), chunk_bytes=size))
+            list(user_files.text_chunks(str(path), chunk_bytes=size))
         with pytest.raises(ValueError, match=r"truncated.txt, line 51, column 9: byte 0xe2 is not UTF-8"):
-            list(common.text_chunks(str(truncated), chunk_bytes=size))
+            list(user_files.text_chunks(str(truncated), chunk_bytes=size))
 
 
 def test_pretraining_small_corpus_holds_out_two_documents(tmp_path):
@@ -335,7 +338,7 @@ def test_redact_hides_every_token_like_argument():
             "--hub_model_id", "me/model", "--run_name", "HF_TOKEN=secret1", "--train_file",
             "https://alice:pa55@example.org/train.csv?access_token=secret2&x=1", "--db_password", "secret3",
             "--resume_from_checkpoint", "hf_zyxwvutsrqponm"]
-    redacted = common.redact(argv)
+    redacted = redaction.redact(argv)
     text = " ".join(redacted)
     for secret in ("hf_abcdefghijklmnop", "hf_qrstuvwxyz123456", "secret1", "pa55", "secret2", "secret3",
                    "hf_zyxwvutsrqponm"):
@@ -351,7 +354,7 @@ def test_log_lines_are_redacted():
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    handler.addFilter(common.RedactingFilter())
+    handler.addFilter(redaction.RedactingFilter())
     log = logging.getLogger("test_recipe_errors.redaction")
     log.addHandler(handler)
     try:
@@ -441,7 +444,7 @@ def test_every_recipe_names_a_damaged_checkpoint_file(recipe, name, last, minilm
     assert message.startswith(f"--resume_from_checkpoint {damaged.parent}: damaged"), message
     assert f"{damaged} (" in message and "newest complete older checkpoint is " \
         f"{tmp_path / 'checkpoint-20'}: resume from it" in message, message
-    with caplog.at_level(logging.WARNING, logger="common"), pytest.raises(ValueError, match="train.csv: no such file"):
+    with caplog.at_level(logging.WARNING, logger="checkpoints"), pytest.raises(ValueError, match="train.csv: no such file"):
         recipe.main([*args, "--resume_from_checkpoint", last])
     assert f"{damaged} (" in caplog.text and "Falling back" in caplog.text
     assert f"resuming from the newest complete checkpoint, {tmp_path / 'checkpoint-20'}" in caplog.text
@@ -458,7 +461,7 @@ def test_damaged_files_finds_each_kind_of_damage(tmp_path):
     index = checkpoint / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": {"a": shards[0], "b": shards[1]}}))
     torch.save({"old": 1}, checkpoint / "legacy.pt", _use_new_zipfile_serialization=False)
-    assert common.damaged_files(str(checkpoint)) == []
+    assert checkpoints.damaged_files(str(checkpoint)) == []
 
     whys = {".safetensors": r"cut off: its tensors end at byte \d+, the file has \d+",
             ".json": r"not valid JSON: .*, line 1, column \d+", ".pt": "not a complete zip archive, torch.save's",
@@ -468,7 +471,7 @@ def test_damaged_files_finds_each_kind_of_damage(tmp_path):
             continue
         intact = path.read_bytes()
         cut_off(path)
-        damaged = common.damaged_files(str(checkpoint))
+        damaged = checkpoints.damaged_files(str(checkpoint))
         assert len(damaged) == 1 and damaged[0].startswith(f"{path} (") and \
             re.search(whys[path.suffix], damaged[0]), damaged
         path.write_bytes(intact)
@@ -476,7 +479,7 @@ def test_damaged_files_finds_each_kind_of_damage(tmp_path):
     def problem(path: Path, data: bytes) -> str:
         intact = path.read_bytes()
         path.write_bytes(data)
-        (found,) = common.damaged_files(str(checkpoint))
+        (found,) = checkpoints.damaged_files(str(checkpoint))
         path.write_bytes(intact)
         return found
 
@@ -486,7 +489,7 @@ def test_damaged_files_finds_each_kind_of_damage(tmp_path):
     assert "not a complete zip archive" in problem(checkpoint / "optimizer.pt", b"")
     assert "not valid JSON" in problem(checkpoint / "trainer_state.json", b"")
     (checkpoint / shards[1]).unlink()
-    assert common.damaged_files(str(checkpoint)) == [f"{index} (names shards that are missing: {shards[1]})"]
+    assert checkpoints.damaged_files(str(checkpoint)) == [f"{index} (names shards that are missing: {shards[1]})"]
 
 
 def test_last_with_every_checkpoint_damaged_names_them_all(tmp_path):
@@ -509,7 +512,7 @@ def test_last_is_the_newest_complete_checkpoint_and_needs_the_training_state(tmp
     fake_checkpoint(tmp_path, 10)
     fake_checkpoint(tmp_path, 20)
     fake_checkpoint(tmp_path, 30, files=("model.safetensors",))  # half-written by a killed run of another tool
-    (tmp_path / common.STAGING_DIR).mkdir()
+    (tmp_path / checkpoints.STAGING_DIR).mkdir()
     args = training_args("--output_dir", tmp_path, "--resume_from_checkpoint", "True")
     assert args.resume_from_checkpoint == str(tmp_path / "checkpoint-20")
     with pytest.raises(ValueError, match="checkpoint-30: not a complete checkpoint"):
@@ -527,7 +530,7 @@ def test_last_is_the_newest_complete_checkpoint_and_needs_the_training_state(tmp
 
 def test_overwrite_output_dir_deletes_the_earlier_checkpoints_and_results(tmp_path):
     fake_checkpoint(tmp_path, 10)
-    (tmp_path / common.STAGING_DIR).mkdir()
+    (tmp_path / checkpoints.STAGING_DIR).mkdir()
     for name in ("all_results.json", "trainer_state.json", "model.safetensors", "notes.txt"):
         (tmp_path / name).write_text("{}")
     training_args("--output_dir", tmp_path, "--overwrite_output_dir")

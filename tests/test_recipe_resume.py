@@ -30,12 +30,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 sys.path.insert(0, str(RECIPES))
 
-import common  # noqa: E402
+import checkpoints  # noqa: E402
 import run_glue  # noqa: E402
 import run_ner  # noqa: E402
 import run_qa  # noqa: E402
 import run_swag  # noqa: E402
-from test_recipes import ner_sentence, squad_article, swag_rows, write_conll, write_csv  # noqa: E402
+from recipe_data import ner_sentence, squad_article, swag_rows, write_conll, write_csv  # noqa: E402
+
 SENTENCES = ["a lovely film", "a dreadful film", "great fun", "so boring", "truly wonderful", "awful acting",
              "a charming story", "a tedious plot", "brilliant music", "poor dialogue", "superb cast", "bad jokes"]
 
@@ -94,7 +95,7 @@ def losses(out) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
 
 
-def checkpoints(out) -> list[str]:
+def checkpoint_names(out) -> list[str]:
     return sorted(p.name for p in Path(out).iterdir() if p.name.startswith("checkpoint-"))
 
 
@@ -109,7 +110,7 @@ def reference(setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference") / "out"
     done = run(command(setup, out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     return out
 
 
@@ -128,7 +129,7 @@ def test_second_run_refused_and_overwrite_leaves_one_run(setup, reference, tmp_p
 
     third = run(command(setup, out, "--overwrite_output_dir", "--max_steps", "4"))
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
-    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]  # the first run's checkpoint-6 is gone: no mix
+    assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-4"]  # the first run's checkpoint-6 is gone: no mix
     assert sorted(losses(out)) == [1, 2, 3, 4]
 
 
@@ -150,7 +151,7 @@ def test_killed_while_saving_resumes_from_the_newest_complete_checkpoint(setup, 
         process.wait()
     assert process.returncode == -signal.SIGKILL
     # The half-written checkpoint-6 is aside, not under its final name; checkpoints 2 and 4 are intact.
-    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+    assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-4"]
     staged = out / ".incomplete-checkpoint" / "checkpoint-6"
     assert (staged / "rng_state.pth").is_file() and not (staged / "trainer_state.json").exists()
     for step in (2, 4):
@@ -159,7 +160,7 @@ def test_killed_while_saving_resumes_from_the_newest_complete_checkpoint(setup, 
     resumed = run(command(setup, out, "--resume_from_checkpoint", "last"))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming from the newest complete checkpoint" in resumed.stdout + resumed.stderr
-    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not (out / ".incomplete-checkpoint").exists()
     expected, got = losses(reference), losses(out)
     assert sorted(got) == list(range(1, 7))
@@ -239,16 +240,16 @@ def test_fine_tuning_recipes_resume_last_and_true(recipe, data, setup, tmp_path,
             "--logging_steps", "1", "--seed", "0", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
             "--dataloader_num_workers", "0", *data(tmp_path)]
     trained_from = []  # the global step before each optimizer step of the current run
-    training_step = common.RecipeTrainer.training_step
+    training_step = checkpoints.RecipeTrainer.training_step
 
     def counting(self, *a, **k):  # one training step per optimizer step: no gradient accumulation here
         trained_from.append(self.state.global_step)
         return training_step(self, *a, **k)
 
-    monkeypatch.setattr(common.RecipeTrainer, "training_step", counting)
+    monkeypatch.setattr(checkpoints.RecipeTrainer, "training_step", counting)
     recipe.main(args)
     assert trained_from == [0, 1, 2, 3]
-    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+    assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-4"]
     first = losses(out)
     checkpoint = out / f"{PREFIX_CHECKPOINT_DIR}-2"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
@@ -273,8 +274,8 @@ def test_fine_tuning_recipes_resume_last_and_true(recipe, data, setup, tmp_path,
             print(skipped)
             assert len(skipped) == 1 and f"{newest / damage} (" in skipped[0]
         assert trained_from == [2, 3], f"--resume_from_checkpoint {resume} trained from step {trained_from[0]}"
-        assert trainer.state.global_step == 4 and checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+        assert trainer.state.global_step == 4 and checkpoint_names(out) == ["checkpoint-2", "checkpoint-4"]
         resumed = losses(out)  # steps 1 and 2 from the checkpoint's log history, 3 and 4 trained again
         assert sorted(resumed) == [1, 2, 3, 4]
         assert all(abs(resumed[step] - first[step]) <= 1e-6 for step in (1, 2, 3, 4)), (resumed, first)
-    assert common.damaged_files(str(newest)) == []
+    assert checkpoints.damaged_files(str(newest)) == []
