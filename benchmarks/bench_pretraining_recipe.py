@@ -13,7 +13,7 @@ train_runtime (the whole training loop, first steps included, data preparation n
 train_tokens_per_second metrics, and for run_mlm.py steps x batch x max_seq_length (its blocks are full). Rounds
 alternate the order of the pipelines, so that load on the machine hits them alike; the figure is the median over
 rounds, after an untimed short run of each (--warmup_steps), and the ratios are given both as the ratio of the medians
-and as the median of each round's ratio. The corpus is written here: the sentences of tests/test_pretraining.py's 12
+and as the median of each round's ratio. The corpus is written here: the sentences of tests/recipe_data.py's 12
 documents shuffled into --documents documents, in the BERT file format (a sentence a line, blank lines between
 documents).
 
@@ -61,8 +61,9 @@ def parse_args(argv=None):
 
 
 def write_corpus(path: Path, documents: int, seed: int = 0) -> None:
-    """`documents` documents of 4-12 sentences drawn from test_pretraining's corpus, in the BERT file format."""
-    from test_pretraining import DOCUMENTS
+    """`documents` documents of 4-12 sentences drawn from the tests' pre-training corpus (tests/recipe_data.py), in the
+    BERT file format."""
+    from recipe_data import DOCUMENTS
 
     sentences = [line for doc in DOCUMENTS for line in doc.split("\n")]
     rng = random.Random(seed)

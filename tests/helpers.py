@@ -1,9 +1,109 @@
-"""Helpers more than one test file uses."""
+"""Helpers more than one test file uses: small configurations and inputs for every head, the tracing gate's skip
+mark, spies and comparisons."""
 
 import contextlib
 import sys
 
+import pytest
 import torch
+
+import modeling_bert_impl as bi
+from modeling_bert_impl import input_checks
+
+# (transformers class, our class, Auto class): every head.
+HEADS = [
+    ("BertModel", "BertImplModel", "AutoModel"),
+    ("BertForPreTraining", "BertImplForPreTraining", "AutoModelForPreTraining"),
+    ("BertForMaskedLM", "BertImplForMaskedLM", "AutoModelForMaskedLM"),
+    ("BertForNextSentencePrediction", "BertImplForNextSentencePrediction", "AutoModelForNextSentencePrediction"),
+    ("BertForSequenceClassification", "BertImplForSequenceClassification", "AutoModelForSequenceClassification"),
+    ("BertForTokenClassification", "BertImplForTokenClassification", "AutoModelForTokenClassification"),
+    ("BertForQuestionAnswering", "BertImplForQuestionAnswering", "AutoModelForQuestionAnswering"),
+    ("BertForMultipleChoice", "BertImplForMultipleChoice", "AutoModelForMultipleChoice"),
+]
+
+SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+             max_position_embeddings=64, type_vocab_size=2, num_labels=3)
+
+TRACING = "tracing a bert-impl model (torch.compile, torch.export)"
+NEEDED = ".".join(map(str, input_checks.TRACING_TORCH))
+needs_tracing = pytest.mark.skipif(not input_checks.TRACING_SUPPORTED,
+                                   reason=f"{TRACING} needs torch >= {NEEDED} (installed: {torch.__version__})")
+
+
+def small_model(seed: int = 0) -> bi.BertImplModel:
+    """A BertImplModel of the SMALL configuration, in eval mode, its weights drawn from `seed`."""
+    torch.manual_seed(seed)
+    return bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+
+
+def make_inputs(head: str, config, generator):
+    B, T, C = 3, 9, 2
+    shape = (B, C, T) if head == "BertForMultipleChoice" else (B, T)
+    inputs = {
+        "input_ids": torch.randint(1, config.vocab_size, shape, generator=generator),
+        "token_type_ids": torch.randint(0, 2, shape, generator=generator),
+        "attention_mask": torch.ones(shape, dtype=torch.long),
+    }
+    rows = inputs["attention_mask"].view(-1, T)
+    rows[1, 6:] = 0  # padded rows
+    rows[-1, 4:] = 0
+    labels = {}
+    if head in ("BertForPreTraining", "BertForMaskedLM"):
+        mlm = torch.full((B, T), -100)
+        mlm[:, 1:3] = torch.randint(0, config.vocab_size, (B, 2), generator=generator)
+        labels["labels"] = mlm
+    if head == "BertForPreTraining":
+        labels["next_sentence_label"] = torch.randint(0, 2, (B,), generator=generator)
+    if head == "BertForNextSentencePrediction":
+        labels["labels"] = torch.randint(0, 2, (B,), generator=generator)
+    if head == "BertForSequenceClassification":
+        labels["labels"] = torch.randint(0, config.num_labels, (B,), generator=generator)
+    if head == "BertForTokenClassification":
+        tags = torch.randint(0, config.num_labels, (B, T), generator=generator)
+        labels["labels"] = tags.masked_fill(inputs["attention_mask"] == 0, -100)
+    if head == "BertForQuestionAnswering":
+        labels["start_positions"] = torch.tensor([1, 2, 40])  # 40: outside the sequence, ignored
+        labels["end_positions"] = torch.tensor([3, 4, 40])
+    if head == "BertForMultipleChoice":
+        labels["labels"] = torch.randint(0, C, (B,), generator=generator)
+    return inputs, labels
+
+
+# rows and real lengths of a layout the CPU inference paths treat apart: one sequence, a dense batch, a padded batch
+LAYOUTS = {"1x9": (1, [9]), "dense 3x9": (3, [9, 9, 9]), "padded": (3, [9, 6, 4])}
+
+
+def layout_inputs(head: str, config, layout: str, generator) -> dict:
+    """`make_inputs`' inputs (no labels) cut to the layout's rows, with its real lengths in the attention mask."""
+    inputs, _ = make_inputs(head, config, generator)
+    B, lengths = LAYOUTS[layout]
+    T = inputs["input_ids"].shape[-1]
+    inputs = {k: v[:B].clone() for k, v in inputs.items()}
+    inputs["attention_mask"][..., :] = (torch.arange(T) < torch.tensor(lengths)[:, None]).long().view(
+        (B,) + (1,) * (inputs["attention_mask"].dim() - 2) + (T,))
+    return inputs
+
+
+def output_tensors(out):
+    """The logits-like tensors of an output, by name (hidden states for the base model)."""
+    names = ("logits", "prediction_logits", "seq_relationship_logits", "start_logits", "end_logits",
+             "last_hidden_state", "pooler_output")
+    return {name: getattr(out, name) for name in names if getattr(out, name, None) is not None}
+
+
+def model_state(model) -> tuple:
+    """What a model is: its modules' classes and modes, its parameters' values and whether they need gradients."""
+    modules = [(name, type(m), m.training) for name, m in model.named_modules()]
+    parameters = [(name, p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()]
+    return modules, parameters
+
+
+def assert_same_state(model, state):
+    modules, parameters = model_state(model)
+    assert modules == state[0]
+    assert [(n, r) for n, _, r in parameters] == [(n, r) for n, _, r in state[1]]
+    assert all(torch.equal(p, q) for (_, p, _), (_, q, _) in zip(parameters, state[1]))
 
 
 @contextlib.contextmanager

@@ -27,8 +27,7 @@ from modeling_bert_impl.inference.serving import encoder_linears
 from modeling_bert_impl.modeling_bert_impl import BertImplSelfAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_modeling import SMALL  # noqa: E402
-from test_torch_versions import needs_tracing  # noqa: E402
+from helpers import SMALL, needs_tracing, small_model  # noqa: E402
 
 AVX2 = (sys.platform == "linux" and platform.machine() == "x86_64"
         and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
@@ -136,11 +135,6 @@ def test_a_query_that_keeps_no_key_gets_zeros(ops):
     assert (y[0, 2] == 0).all()
     others = [0, 1, 3, 4]
     assert (y[0, others].double() - reference_attention(qkv, None, 2)[0, others]).abs().max().item() < 1e-5
-
-
-def small_model(seed: int = 0) -> bi.BertImplModel:
-    torch.manual_seed(seed)
-    return bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,9 @@ from modeling_bert_impl.inference.compiled_encoder import CompiledBertImplModel
 from modeling_bert_impl.inference.serving import encoder_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_modeling import HEADS, LAYOUTS, SMALL, layout_inputs, output_tensors  # noqa: E402
-from test_serving import assert_same_state, model_state  # noqa: E402
-from test_torch_versions import needs_tracing  # noqa: E402
+from helpers import (  # noqa: E402
+    HEADS, LAYOUTS, SMALL, assert_same_state, layout_inputs, model_state, needs_tracing, output_tensors,
+)
 
 pytestmark = needs_tracing
 

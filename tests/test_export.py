@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, DataCollatorWithFlattening
 
 import modeling_bert_impl as bi
 from modeling_bert_impl import BertImplConfig
-from test_torch_versions import needs_tracing
+from helpers import needs_tracing
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")

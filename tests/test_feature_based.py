@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_ner  # noqa: E402
 import run_ner_features  # noqa: E402
 from metrics import seqeval_metrics  # noqa: E402
-from test_recipes import COMMON, ner_sentence, write_conll  # noqa: E402
+from recipe_data import RECIPE_FLAGS, ner_sentence, write_conll  # noqa: E402
 
 HEAD = ["--max_seq_length", "32", "--lstm_hidden_size", "32", "--learning_rate", "1e-2",
         "--per_device_train_batch_size", "8", "--num_train_epochs", "8"]
@@ -42,7 +42,7 @@ def test_feature_based_table(minilm_dir, tmp_path, capsys):
     train, dev = run_ner.read_conll(str(tmp_path / "train.txt")), run_ner.read_conll(str(tmp_path / "dev.txt"))
     data = ["--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "dev.txt")]
     cache = tmp_path / "cache"
-    command = ["--model_name_or_path", minilm_dir, *data, *HEAD, *COMMON, "--feature_cache_dir", str(cache)]
+    command = ["--model_name_or_path", minilm_dir, *data, *HEAD, *RECIPE_FLAGS, "--feature_cache_dir", str(cache)]
     capsys.readouterr()
     # One command: every feature choice, and fine-tuning (run_ner.py's training, 16 steps) for the first row.
     results = run_ner_features.main([*command, "--output_dir", str(tmp_path / "out"), "--fine_tune",

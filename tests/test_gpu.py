@@ -26,7 +26,7 @@ import torch
 import transformers
 
 import modeling_bert_impl as bi
-from test_torch_versions import needs_tracing
+from helpers import needs_tracing
 
 _REQUESTED = os.environ.get("BERT_IMPL_TEST_DEVICE", "")
 if _REQUESTED not in ("", "cpu", "cuda"):

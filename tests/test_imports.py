@@ -83,3 +83,17 @@ def test_the_graph_reader_sees_imports_inside_functions():
     assert {f"{NAME}.input_checks", f"{NAME}.stock_format"} <= imports(model_file)
     upward = "def f():\n    from .integrations.model_card import replace_generic_card\n"
     assert f"{NAME}.integrations.model_card" in imports(model_file, upward)
+
+
+def test_no_test_file_imports_another():
+    """What test files share lives in conftest.py, helpers.py and recipe_data.py (docs/development.md): a test file
+    imported by another would run its module-level code twice and tie the two files' fixtures together."""
+    tests = Path(__file__).resolve().parent
+    names = {p.stem for p in tests.glob("test_*.py")}
+    found = {}
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            imported = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            found.update({(path.name, name): node.lineno for name in imported if name in names})
+    assert not found, found

@@ -7,7 +7,7 @@ import torch
 
 import modeling_bert_impl as bi
 from modeling_bert_impl import BertImplConfig
-from test_torch_versions import needs_tracing
+from helpers import needs_tracing
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
             max_position_embeddings=64)

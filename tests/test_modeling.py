@@ -11,7 +11,9 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, BertConfig
 
+import helpers
 import modeling_bert_impl as bi
+from helpers import HEADS, SMALL, make_inputs, output_tensors
 from modeling_bert_impl import BertImplConfig
 
 TOL = 1e-5
@@ -22,21 +24,6 @@ PAIRS = [
     ("Short one.", "Tiny."),
     ("Padding makes batches rectangular, which wastes compute on positions that carry no text at all.", "Yes."),
 ]
-
-# (transformers class, our class, Auto class): every head.
-HEADS = [
-    ("BertModel", "BertImplModel", "AutoModel"),
-    ("BertForPreTraining", "BertImplForPreTraining", "AutoModelForPreTraining"),
-    ("BertForMaskedLM", "BertImplForMaskedLM", "AutoModelForMaskedLM"),
-    ("BertForNextSentencePrediction", "BertImplForNextSentencePrediction", "AutoModelForNextSentencePrediction"),
-    ("BertForSequenceClassification", "BertImplForSequenceClassification", "AutoModelForSequenceClassification"),
-    ("BertForTokenClassification", "BertImplForTokenClassification", "AutoModelForTokenClassification"),
-    ("BertForQuestionAnswering", "BertImplForQuestionAnswering", "AutoModelForQuestionAnswering"),
-    ("BertForMultipleChoice", "BertImplForMultipleChoice", "AutoModelForMultipleChoice"),
-]
-
-SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-             max_position_embeddings=64, type_vocab_size=2, num_labels=3)
 
 
 def real_tokens_max_diff(a, b, mask):
@@ -87,61 +74,6 @@ def test_minilm_hidden_states_and_attentions(minilm_dir, minilm_batch):
         unpadded = ours(**minilm_batch, output_hidden_states=True)
     for e, g in zip(expected.hidden_states, unpadded.hidden_states):
         assert real_tokens_max_diff(e, g, mask) < TOL
-
-
-def make_inputs(head: str, config, generator):
-    B, T, C = 3, 9, 2
-    shape = (B, C, T) if head == "BertForMultipleChoice" else (B, T)
-    inputs = {
-        "input_ids": torch.randint(1, config.vocab_size, shape, generator=generator),
-        "token_type_ids": torch.randint(0, 2, shape, generator=generator),
-        "attention_mask": torch.ones(shape, dtype=torch.long),
-    }
-    rows = inputs["attention_mask"].view(-1, T)
-    rows[1, 6:] = 0  # padded rows
-    rows[-1, 4:] = 0
-    labels = {}
-    if head in ("BertForPreTraining", "BertForMaskedLM"):
-        mlm = torch.full((B, T), -100)
-        mlm[:, 1:3] = torch.randint(0, config.vocab_size, (B, 2), generator=generator)
-        labels["labels"] = mlm
-    if head == "BertForPreTraining":
-        labels["next_sentence_label"] = torch.randint(0, 2, (B,), generator=generator)
-    if head == "BertForNextSentencePrediction":
-        labels["labels"] = torch.randint(0, 2, (B,), generator=generator)
-    if head == "BertForSequenceClassification":
-        labels["labels"] = torch.randint(0, config.num_labels, (B,), generator=generator)
-    if head == "BertForTokenClassification":
-        tags = torch.randint(0, config.num_labels, (B, T), generator=generator)
-        labels["labels"] = tags.masked_fill(inputs["attention_mask"] == 0, -100)
-    if head == "BertForQuestionAnswering":
-        labels["start_positions"] = torch.tensor([1, 2, 40])  # 40: outside the sequence, ignored
-        labels["end_positions"] = torch.tensor([3, 4, 40])
-    if head == "BertForMultipleChoice":
-        labels["labels"] = torch.randint(0, C, (B,), generator=generator)
-    return inputs, labels
-
-
-# rows and real lengths of a layout the CPU inference paths treat apart: one sequence, a dense batch, a padded batch
-LAYOUTS = {"1x9": (1, [9]), "dense 3x9": (3, [9, 9, 9]), "padded": (3, [9, 6, 4])}
-
-
-def layout_inputs(head: str, config, layout: str, generator) -> dict:
-    """`make_inputs`' inputs (no labels) cut to the layout's rows, with its real lengths in the attention mask."""
-    inputs, _ = make_inputs(head, config, generator)
-    B, lengths = LAYOUTS[layout]
-    T = inputs["input_ids"].shape[-1]
-    inputs = {k: v[:B].clone() for k, v in inputs.items()}
-    inputs["attention_mask"][..., :] = (torch.arange(T) < torch.tensor(lengths)[:, None]).long().view(
-        (B,) + (1,) * (inputs["attention_mask"].dim() - 2) + (T,))
-    return inputs
-
-
-def output_tensors(out):
-    """The logits-like tensors of an output, by name (hidden states for the base model)."""
-    names = ("logits", "prediction_logits", "seq_relationship_logits", "start_logits", "end_logits",
-             "last_hidden_state", "pooler_output")
-    return {name: getattr(out, name) for name in names if getattr(out, name, None) is not None}
 
 
 @pytest.mark.parametrize("stock_name,our_name,auto_name", HEADS, ids=[h[1] for h in HEADS])
@@ -322,8 +254,7 @@ def test_init_weights_use_initializer_range():
 # --- bad input ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_model():
-    torch.manual_seed(0)
-    return bi.BertImplModel(BertImplConfig(**SMALL)).eval()
+    return helpers.small_model()
 
 
 @pytest.mark.parametrize("case,match", [

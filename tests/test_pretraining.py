@@ -39,96 +39,9 @@ from pretraining_data import (  # noqa: E402
     truncate_seq_pair,
     whole_word_starts,
 )
+from recipe_data import DOCUMENTS, PRETRAINING_FLAGS, synthetic_corpus, training_logs, within_binomial  # noqa: E402
 
 CLS, SEP = 101, 102
-
-# A small corpus of varied English prose in the original BERT format: one sentence per line, documents separated by a
-# blank line.
-DOCUMENTS = [
-    """The lighthouse stood at the end of a narrow spit of rock, and for more than a century it had warned ships away from the shoals.
-Its keeper, an old man named Tobias, climbed the spiral stairs every evening to light the great lamp.
-He kept a logbook in which he wrote down the weather, the passing vessels and the birds that rested on the railing.
-In winter the storms came from the north, and the waves broke so high that spray reached the lantern room.
-On calm nights he could hear seals calling to one another across the water.
-When the lamp was finally automated, Tobias moved to the village, but he still walked to the point each evening to watch the light come on.""",
-    """Photosynthesis is the process by which green plants turn light into chemical energy.
-Inside the chloroplasts, chlorophyll absorbs mostly red and blue light and reflects green, which is why leaves look green to us.
-The energy of the absorbed light splits water molecules, releasing oxygen as a by-product.
-Carbon dioxide from the air is then fixed into sugars in a cycle of reactions named after Melvin Calvin.
-Almost all the oxygen in the atmosphere was produced this way over billions of years.
-Without photosynthesis, there would be no food chains on land and very little life in the oceans.""",
-    """To bake a simple loaf of bread you need flour, water, salt and yeast.
-Mix the ingredients into a rough dough and let it rest for twenty minutes so that the flour can absorb the water.
-Then knead the dough on a floured table until it becomes smooth and elastic.
-Leave it in a warm place, covered with a cloth, until it has doubled in size.
-Shape the loaf, let it rise again, and bake it in a hot oven for about forty minutes.
-The bread is done when the crust is deep brown and the bottom sounds hollow when tapped.""",
-    """The city council met on Tuesday to discuss the new budget for public transport.
-Several members argued that the bus network should be extended to the growing suburbs in the east.
-Others wanted to spend the money on repairing the old tram lines that cross the historic centre.
-After a long debate, the council agreed to a compromise that funds both projects over five years.
-The mayor said the decision would make it easier for thousands of residents to reach their jobs without a car.
-Construction on the first new bus routes is expected to begin next spring.""",
-    """Marie had always wanted to learn the violin, but she only started at the age of forty.
-Her first teacher told her that adults learn more slowly than children, yet practise more carefully.
-For months the instrument squeaked and whined, and her neighbours politely closed their windows.
-She practised scales every morning before work and played simple folk songs in the evenings.
-After three years she joined an amateur orchestra that rehearsed in a school hall on Thursdays.
-At her first concert her hands shook, but when the music began she forgot to be afraid.""",
-    """Volcanoes form where molten rock from deep inside the Earth reaches the surface.
-Many of them lie along the edges of tectonic plates, especially around the Pacific Ocean.
-When pressure builds up in the magma chamber, gas and ash can burst out in a violent eruption.
-Other volcanoes, like those of Hawaii, release runny lava that flows slowly down their slopes.
-The ash from large eruptions can travel around the world and cool the climate for several years.
-Scientists watch for small earthquakes and changes in the ground to predict when a volcano may erupt.""",
-    """The old library had tall windows, creaking floors and shelves that reached the ceiling.
-Students came there to study in silence, surrounded by the smell of paper and leather.
-The librarian knew where every book was kept, even those that had been misplaced years ago.
-In the basement there was a collection of maps drawn by sailors and explorers of past centuries.
-One afternoon a young historian found a letter hidden between the pages of an atlas.
-It had been written by a merchant to his daughter, describing a voyage to the spice islands.""",
-    """A healthy diet includes plenty of vegetables, fruit, whole grains and legumes.
-Proteins can come from fish, eggs, beans, nuts or lean meat.
-Doctors recommend limiting sugar, salt and heavily processed foods.
-Drinking enough water matters as much as eating well, especially in hot weather.
-Regular meals help keep energy levels steady throughout the day.
-Small changes, such as cooking at home more often, can make a large difference over time.""",
-    """The football match was decided in the final minute of extra time.
-Both teams had defended well, and the score was still level after ninety minutes.
-The visiting side had more possession, but the home team created the better chances.
-Just before the end, a young substitute ran down the left wing and crossed the ball into the box.
-The captain rose above the defenders and headed it into the corner of the net.
-The crowd erupted, and the players ran to celebrate with the fans behind the goal.""",
-    """Computers store information as long sequences of zeros and ones called bits.
-Eight bits form a byte, which can represent a single letter of text.
-The processor reads instructions from memory, performs calculations and writes the results back.
-Modern chips contain billions of tiny transistors that switch on and off billions of times per second.
-Programs written by people in languages such as Python are translated into these simple instructions.
-Despite their speed, computers only do exactly what they are told to do.""",
-    """In the mountains the weather can change within an hour.
-Hikers should carry warm clothes, a map and enough water even on a sunny morning.
-Clouds that gather around the peaks in the afternoon often bring thunderstorms.
-If lightning approaches, it is safest to leave the ridges and move down into the valley.
-Experienced guides start their climbs before dawn so that they return before the storms arrive.
-Many accidents happen on the way down, when people are tired and less careful.""",
-    """The river flows slowly through the plain, bending in wide loops between fields and willows.
-In spring the snowmelt from the hills makes it rise and sometimes flood the meadows.
-Farmers once built their houses on small mounds so that they would stay dry during the floods.
-Today dikes and canals control the water, and the floods have become rare.
-Herons stand in the shallows, waiting patiently for fish to swim past.
-In the evening the surface of the water turns gold and then grey as the sun goes down.""",
-]
-
-# Every training run: CPU, the tiny preset with the MiniLM vocabulary, short examples, no reporting or progress bars.
-COMMON = [
-    "--config_name", "tiny", "--max_seq_length", "32", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true",
-    "--seed", "0", "--per_device_train_batch_size", "8", "--dataloader_num_workers", "0",
-]
-
-
-def within_binomial(count: int, n: int, p: float, sigmas: float = 4.0) -> bool:
-    """count successes out of n is within `sigmas` binomial standard deviations of n * p."""
-    return abs(count - n * p) <= sigmas * math.sqrt(n * p * (1 - p))
 
 
 @pytest.fixture(scope="module")
@@ -145,20 +58,6 @@ def corpus_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text("\n\n".join(DOCUMENTS) + "\n")
     return str(path)
-
-
-def synthetic_corpus(num_documents: int, seed: int, sentences=(1, 25), tokens=(3, 40)) -> list[list[list[int]]]:
-    """Documents of sentences of token ids, every token id unique and increasing through the corpus (from 1000), so
-    that an id tells where in which document it comes from."""
-    rng, next_id, docs = random.Random(seed), 1000, []
-    for _ in range(num_documents):
-        doc = []
-        for _ in range(rng.randint(*sentences)):
-            n = rng.randint(*tokens)
-            doc.append(list(range(next_id, next_id + n)))
-            next_id += n
-        docs.append(doc)
-    return docs
 
 
 def all_examples(docs, seed=0, **kwargs):
@@ -453,16 +352,13 @@ def test_training_tally_is_the_same_for_full_and_masked_only_prediction_logits()
 # ---------------------------------------------------------------------------------------------------------------------
 # The recipe end to end
 # ---------------------------------------------------------------------------------------------------------------------
-def training_logs(output_dir) -> list[dict]:
-    state = json.loads((Path(output_dir) / "trainer_state.json").read_text())
-    return [entry for entry in state["log_history"] if "loss" in entry]
 
 
 @pytest.mark.slow
 def test_pretraining_reduces_the_loss_and_saves_an_auto_loadable_model(minilm_dir, corpus_file, tmp_path):
     out = tmp_path / "out"
     results = run_pretraining.main([
-        *COMMON, "--tokenizer_name", minilm_dir, "--train_file", corpus_file, "--validation_split_percentage", "20",
+        *PRETRAINING_FLAGS, "--tokenizer_name", minilm_dir, "--train_file", corpus_file, "--validation_split_percentage", "20",
         "--do_train", "--do_eval", "--max_steps", "30", "--learning_rate", "2e-3", "--warmup_steps", "3",
         "--logging_steps", "3", "--save_strategy", "no", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"),
     ])
@@ -495,7 +391,7 @@ def test_torchrun_two_cpu_processes_train_data_parallel(minilm_dir, corpus_file,
     out = tmp_path / "ddp"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(RECIPES / "run_pretraining.py"), *COMMON, "--tokenizer_name", minilm_dir, "--train_file", corpus_file,
+        str(RECIPES / "run_pretraining.py"), *PRETRAINING_FLAGS, "--tokenizer_name", minilm_dir, "--train_file", corpus_file,
         "--validation_split_percentage", "0", "--do_train", "--max_steps", "3", "--logging_steps", "1",
         "--save_strategy", "no", "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"),
     ]
@@ -515,7 +411,7 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_losses(minilm_dir, 
     (resuming skips that epoch's first batches, masks keyed by epoch 1) and the run goes on into the third."""
     k, n = 8, 15
     common = [
-        *COMMON, "--tokenizer_name", minilm_dir, "--train_file", corpus_file, "--validation_split_percentage", "0",
+        *PRETRAINING_FLAGS, "--tokenizer_name", minilm_dir, "--train_file", corpus_file, "--validation_split_percentage", "0",
         "--do_train", "--max_steps", str(n), "--logging_steps", "1", "--learning_rate", "1e-3",
         "--cache_dir", str(tmp_path / "cache"),
     ]

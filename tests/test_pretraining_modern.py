@@ -18,7 +18,6 @@ import transformers
 
 import modeling_bert_impl  # noqa: F401  (registers bert_impl with the Auto classes)
 from modeling_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForSequenceClassification
-from test_pretraining import COMMON, DOCUMENTS, synthetic_corpus, training_logs, within_binomial
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -27,6 +26,7 @@ sys.path.insert(0, str(RECIPES))
 import run_glue  # noqa: E402
 import run_pretraining  # noqa: E402
 from pretraining_data import DataCollatorForPreTraining, build_windows, document_positions  # noqa: E402
+from recipe_data import DOCUMENTS, PRETRAINING_FLAGS, synthetic_corpus, training_logs, within_binomial  # noqa: E402
 
 CLS, SEP = 101, 102
 
@@ -45,7 +45,7 @@ def corpus_file(tmp_path_factory) -> str:
 
 
 def recipe_args(minilm_dir, corpus_file, tmp_path, *extra) -> list[str]:
-    return [*COMMON, "--tokenizer_name", minilm_dir, "--train_file", corpus_file, "--cache_dir",
+    return [*PRETRAINING_FLAGS, "--tokenizer_name", minilm_dir, "--train_file", corpus_file, "--cache_dir",
             str(tmp_path / "cache"), "--objective", "mlm", *map(str, extra)]
 
 

@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import answer  # noqa: E402
 import run_qa  # noqa: E402
 from qa_utils import choose_answer, nbest_qa_predictions, tokenize_windows  # noqa: E402
-from test_recipe_metrics import EXAMPLES, FEATURES, logits  # noqa: E402
-from test_recipes import CITIES, COMMON, FILLER, PEOPLE  # noqa: E402
+from recipe_data import CITIES, EXAMPLES, FEATURES, FILLER, PEOPLE, RECIPE_FLAGS, logits  # noqa: E402
 
 WINDOWS = ["--max_seq_length", "48", "--doc_stride", "16"]
 
@@ -85,7 +84,7 @@ def trained(minilm_dir, tmp_path_factory):
     run_qa.main(["--model_name_or_path", minilm_dir, "--output_dir", str(out), "--train_file", str(tmp / "train.json"),
                  "--validation_file", str(tmp / "dev.json"), "--version_2_with_negative", "--do_train", "--do_eval",
                  *WINDOWS, "--learning_rate", "5e-4", "--per_device_train_batch_size", "16",
-                 "--num_train_epochs", "10", *COMMON])
+                 "--num_train_epochs", "10", *RECIPE_FLAGS])
     dev = run_qa.read_squad(str(tmp / "dev.json")).to_dict()  # column -> list
     model = transformers.AutoModelForQuestionAnswering.from_pretrained(out).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
@@ -136,7 +135,7 @@ def test_answers_equal_run_qa_predictions_v1_and_the_command(trained, capsys):
     (tmp / "dev_v1.json").write_text(json.dumps(squad))
     v1 = tmp / "v1"
     run_qa.main(["--model_name_or_path", str(out), "--output_dir", str(v1), "--validation_file",
-                 str(tmp / "dev_v1.json"), "--do_eval", *WINDOWS, *COMMON])
+                 str(tmp / "dev_v1.json"), "--do_eval", *WINDOWS, *RECIPE_FLAGS])
     expected = read_json(v1 / "predictions.json")
     assert len(expected) == 6
     got = answer.answer_questions(model, tokenizer, dev["question"], dev["context"], max_seq_length=48,

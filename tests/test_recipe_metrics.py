@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 import metrics  # noqa: E402
 import qa_utils  # noqa: E402
 from qa_utils import answer_token_span, normalize_answer, postprocess_qa_predictions, squad_metrics  # noqa: E402
+from recipe_data import EXAMPLES, FEATURES, SEQUENCE_IDS, WINDOW_1, WINDOW_2, logits  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -146,16 +147,6 @@ def test_flatten_squad_keeps_every_question_and_empties_impossible_ones():
 # ---------------------------------------------------------------------------------------------------------------------
 # Windows: labels and post-processing
 # ---------------------------------------------------------------------------------------------------------------------
-# The context "aa bb cc dd ee ff" in windows of 3 context tokens sharing one: [CLS] q [SEP] aa bb cc [SEP] and
-# [CLS] q [SEP] cc dd ee [SEP] (a third window would hold "ee ff"; two are enough here).
-CONTEXT = "aa bb cc dd ee ff"
-SEQUENCE_IDS = [None, 0, None, 1, 1, 1, None]
-WINDOW_1 = [(0, 0), (0, 1), (0, 0), (0, 2), (3, 5), (6, 8), (0, 0)]
-WINDOW_2 = [(0, 0), (0, 1), (0, 0), (6, 8), (9, 11), (12, 14), (0, 0)]
-
-
-def context_only(offsets):
-    return [o if s == 1 else None for o, s in zip(offsets, SEQUENCE_IDS)]
 
 
 def test_answer_token_span_inside_one_window_else_cls():
@@ -166,19 +157,6 @@ def test_answer_token_span_inside_one_window_else_cls():
     assert answer_token_span(WINDOW_2, SEQUENCE_IDS, 6, 8) == (3, 3)
     assert answer_token_span(WINDOW_1, SEQUENCE_IDS, 3, 11) == (0, 0)  # "bb cc dd" straddles the windows
     assert answer_token_span(WINDOW_2, SEQUENCE_IDS, 3, 11) == (0, 0)
-
-
-def logits(length, **positions):
-    """A row of logits: 0 everywhere, the given values at the given token indices (t3=5.0 -> index 3 is 5.0)."""
-    row = [0.0] * length
-    for name, value in positions.items():
-        row[int(name[1:])] = value
-    return row
-
-
-FEATURES = [{"example_id": "q", "offset_mapping": context_only(WINDOW_1)},
-            {"example_id": "q", "offset_mapping": context_only(WINDOW_2)}]
-EXAMPLES = [{"id": "q", "context": CONTEXT}]
 
 
 def test_postprocess_takes_the_best_span_across_windows():

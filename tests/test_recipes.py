@@ -33,15 +33,14 @@ import run_glue  # noqa: E402
 import run_ner  # noqa: E402
 import run_qa  # noqa: E402
 import run_swag  # noqa: E402
-
-# Every run: CPU, no reporting, no checkpoints, no progress bars.
-COMMON = ["--use_cpu", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--seed", "0",
-          "--per_device_eval_batch_size", "32"]
+from recipe_data import (  # noqa: E402
+    FILLER, RECIPE_FLAGS, ner_sentence, sentiment_rows, squad_article, swag_rows, write_conll, write_csv, write_tsv,
+)
 
 
 def run(recipe, minilm_dir, out, *args, train=True):
     flags = ["--do_train", "--do_eval"] if train else ["--do_eval"]
-    return recipe.main(["--model_name_or_path", minilm_dir, "--output_dir", str(out), *flags, *COMMON, *map(str, args)])
+    return recipe.main(["--model_name_or_path", minilm_dir, "--output_dir", str(out), *flags, *RECIPE_FLAGS, *map(str, args)])
 
 
 def results(out) -> dict:
@@ -92,22 +91,6 @@ def test_read_squad_nested_and_flat_files_agree(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # GLUE: SST-2's TSV layout
 # ---------------------------------------------------------------------------------------------------------------------
-POSITIVE = ["great", "wonderful", "excellent", "delightful", "fantastic", "lovely", "superb", "brilliant", "charming"]
-NEGATIVE = ["awful", "terrible", "horrible", "dreadful", "boring", "disappointing", "bad", "poor", "miserable"]
-THINGS = ["movie", "food", "service", "hotel", "book", "concert", "show", "trip", "game", "meal", "song", "class"]
-FRAMES = ["the {} was {} .", "what a {1} {0} !", "i thought the {} was really {} ."]
-
-
-def sentiment_rows(rng, n):
-    rows = [(frame.format(thing, word), label) for frame in FRAMES for thing in THINGS
-            for words, label in ((POSITIVE, 1), (NEGATIVE, 0)) for word in words]
-    return rng.sample(rows, n)
-
-
-def write_tsv(path, header, rows):
-    with open(path, "w") as f:
-        f.write("\t".join(header) + "\n")
-        f.writelines("\t".join(map(str, row)) + "\n" for row in rows)
 
 
 @pytest.mark.slow
@@ -160,39 +143,6 @@ def test_run_glue_file_layouts_evaluate(minilm_dir, tmp_path, layout):
 # ---------------------------------------------------------------------------------------------------------------------
 # NER: CoNLL-2003 columns
 # ---------------------------------------------------------------------------------------------------------------------
-PEOPLE = ["John", "Mary", "Peter", "Anna", "David", "Laura", "Michael", "Sarah", "James", "Emma", "Robert", "Linda"]
-SURNAMES = ["Smith", "Brown", "Miller", "Wilson", "Taylor", "Clark"]
-CITIES = ["Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "Vienna", "Dublin", "Oslo", "Lisbon", "Cairo"]
-ORGS = [["Google"], ["Microsoft"], ["United", "Nations"], ["Siemens"], ["Reuters"], ["Toyota"], ["Red", "Cross"]]
-NER_FRAMES = ["P lives in L .", "P works for O in L .", "O opened an office in L .", "Yesterday P visited L .",
-              "P met P at O .", "The weather in L was cold .", "P and P flew to L on Monday ."]
-
-
-def ner_sentence(rng):
-    """[(word, tag)] from a frame: P a person (sometimes with a surname), L a city, O an organisation."""
-    out = []
-    for slot in rng.choice(NER_FRAMES).split():
-        if slot == "P":
-            out.append((rng.choice(PEOPLE), "B-PER"))
-            if rng.random() < 0.4:
-                out.append((rng.choice(SURNAMES), "I-PER"))
-        elif slot == "L":
-            out.append((rng.choice(CITIES), "B-LOC"))
-        elif slot == "O":
-            article, *name = ["the"] + rng.choice(ORGS) if rng.random() < 0.3 else [None] + rng.choice(ORGS)
-            out += [(article, "O")] if article else []
-            out += [(w, "B-ORG" if i == 0 else "I-ORG") for i, w in enumerate(name)]
-        else:
-            out.append((slot, "O"))
-    return out
-
-
-def write_conll(path, sentences):
-    with open(path, "w") as f:
-        f.write("-DOCSTART- -X- -X- O\n\n")
-        for sentence in sentences:
-            f.writelines(f"{word} NNP B-NP {tag}\n" for word, tag in sentence)
-            f.write("\n")
 
 
 @pytest.mark.slow
@@ -215,24 +165,6 @@ def test_run_ner_conll(minilm_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # QA: SQuAD's nested JSON, contexts longer than one window
 # ---------------------------------------------------------------------------------------------------------------------
-JOBS = ["teacher", "doctor", "pilot", "baker", "lawyer", "farmer", "nurse", "painter", "chef", "writer"]
-FILLER = ["The weather was mild for most of the year.", "Many people enjoy long walks on the weekend.",
-          "The old bridge was repaired after the storm.", "Most shops close early on Sundays.",
-          "The library has a large collection of old maps.", "Trains run every twenty minutes in the morning.",
-          "Local markets sell fresh fruit and vegetables.", "The museum was very busy during the holidays."]
-
-
-def squad_article(rng, index):
-    """One paragraph about one person (where they live, their job) among filler sentences, long enough to need two
-    windows; one question: where does the person live."""
-    person, city, job = rng.choice(PEOPLE), rng.choice(CITIES), rng.choice(JOBS)
-    fact = f"{person} lives in {city}."
-    sentences = rng.sample(FILLER, 7) + [fact, f"{person} works as a {job}."]
-    rng.shuffle(sentences)
-    context = " ".join(sentences)
-    answer = {"text": city, "answer_start": context.index(fact) + len(f"{person} lives in ")}
-    qa = {"id": str(index), "question": f"Where does {person} live?", "answers": [answer], "is_impossible": False}
-    return {"title": f"article {index}", "paragraphs": [{"context": context, "qas": [qa]}]}
 
 
 @pytest.mark.slow
@@ -259,34 +191,6 @@ def test_run_qa_squad_json(minilm_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # SWAG: its CSV columns
 # ---------------------------------------------------------------------------------------------------------------------
-STATES = {
-    "hungry": "ate a big sandwich.", "tired": "went straight to bed.", "cold": "put on a warm coat.",
-    "thirsty": "drank a glass of water.", "dirty": "took a long shower.", "lost": "looked at a map.",
-    "late": "ran to catch the bus.", "sick": "called a doctor.",
-}
-ABSURD = ["ate the moon with a spoon.", "married a teapot.", "swam across the ceiling.", "painted the wind blue.",
-          "folded the river in half.", "sang to a brick until it cried.", "planted a chair in the sky.",
-          "mailed the sunset to a fish."]
-
-
-def swag_rows(rng, n):
-    """A person in a state; the right ending suits the state, the wrong ones suit another state or none."""
-    rows = []
-    for _ in range(n):
-        person, state = rng.choice(PEOPLE), rng.choice(list(STATES))
-        endings = [STATES[rng.choice([s for s in STATES if s != state])]] + rng.sample(ABSURD, 2)
-        label = rng.randrange(4)
-        endings.insert(label, STATES[state])
-        rows.append({"sent1": f"{person} felt very {state}.", "sent2": "So she" if person in PEOPLE[1::2] else "So he",
-                     **{f"ending{i}": e for i, e in enumerate(endings)}, "label": label})
-    return rows
-
-
-def write_csv(path, rows):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 @pytest.mark.slow
@@ -321,7 +225,7 @@ def test_run_glue_under_torchrun(minilm_dir, tmp_path):
     command = ["torchrun", "--standalone", "--nproc_per_node", "2", str(RECIPES / "run_glue.py"), "--model_name_or_path", minilm_dir, "--output_dir", str(out),
                "--train_file", str(tmp_path / "train.tsv"), "--validation_file", str(tmp_path / "dev.tsv"),
                "--do_train", "--do_eval", "--max_seq_length", "32", "--per_device_train_batch_size", "8",
-               "--max_steps", "2", *COMMON]
+               "--max_steps", "2", *RECIPE_FLAGS]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

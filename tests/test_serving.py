@@ -24,7 +24,9 @@ from modeling_bert_impl.inference.fused_layers import FusedEncoder
 from modeling_bert_impl.inference.packed_linear import PackedLinear, pack, packed_product
 from modeling_bert_impl.inference.serving import optimize_for_inference
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_modeling import HEADS, LAYOUTS, SMALL, layout_inputs, output_tensors  # noqa: E402
+from helpers import (  # noqa: E402
+    HEADS, LAYOUTS, SMALL, assert_same_state, layout_inputs, model_state, output_tensors,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -67,20 +69,6 @@ def fused_calls(monkeypatch):
     real = fused_layers.fused_layer
     monkeypatch.setattr(fused_layers, "fused_layer", lambda *args: calls.append(args[1].shape) or real(*args))
     return calls
-
-
-def model_state(model) -> tuple:
-    """What a model is: its modules' classes and modes, its parameters' values and whether they need gradients."""
-    modules = [(name, type(m), m.training) for name, m in model.named_modules()]
-    parameters = [(name, p.detach().clone(), p.requires_grad) for name, p in model.named_parameters()]
-    return modules, parameters
-
-
-def assert_same_state(model, state):
-    modules, parameters = model_state(model)
-    assert modules == state[0]
-    assert [(n, r) for n, _, r in parameters] == [(n, r) for n, _, r in state[1]]
-    assert all(torch.equal(p, q) for (_, p, _), (_, q, _) in zip(parameters, state[1]))
 
 
 @pytest.mark.parametrize("optimized", [False, True], ids=["default", "optimize_for_inference"])
@@ -390,7 +378,7 @@ ONEDNN_CACHES = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})
 import modeling_bert_impl as bi
-from test_modeling import SMALL
+from helpers import SMALL
 model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
 ids = torch.randint(1, SMALL["vocab_size"], (2, 9))
 with torch.no_grad():

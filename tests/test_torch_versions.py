@@ -14,13 +14,9 @@ import modeling_bert_impl as bi
 from modeling_bert_impl import input_checks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_modeling import SMALL  # noqa: E402
+from helpers import NEEDED, SMALL, TRACING, small_model  # noqa: E402
 
-TRACING = "tracing a bert-impl model (torch.compile, torch.export)"
 FLEX = "attn_implementation='flex_attention'"
-NEEDED = ".".join(map(str, input_checks.TRACING_TORCH))
-needs_tracing = pytest.mark.skipif(not input_checks.TRACING_SUPPORTED,
-                                   reason=f"{TRACING} needs torch >= {NEEDED} (installed: {torch.__version__})")
 
 
 @pytest.fixture
@@ -31,11 +27,6 @@ def old_torch(monkeypatch):
 
 def refusal(feature: str) -> str:
     return re.escape(f"{feature} needs torch >= {NEEDED} (installed: {torch.__version__}); upgrade torch, or ")
-
-
-def small_model():
-    torch.manual_seed(0)
-    return bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
 
 
 def test_the_gate_is_above_the_lowest_torch_and_reads_the_installed_one():

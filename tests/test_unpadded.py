@@ -19,7 +19,7 @@ from modeling_bert_impl.bert_padding import (
     unpad,
     unpad_indices,
 )
-from test_torch_versions import needs_tracing
+from helpers import needs_tracing
 
 TOL = 1e-5
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
