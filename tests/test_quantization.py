@@ -16,13 +16,16 @@ from transformers import AutoTokenizer
 import modeling_bert_impl as bi
 import modeling_bert_impl.inference.fused_layers as fused_layers
 import modeling_bert_impl.inference.quantization as quantization
-from modeling_bert_impl.inference.quantization import Int8Linear, quantize_for_inference, weight_levels
+from modeling_bert_impl.inference.quantization import Int8Linear, quantize_for_inference
 from modeling_bert_impl.modeling_bert_impl import AUTO_CLASSES
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_serving import assert_same_state, model_state  # noqa: E402
+from helpers import assert_same_state, model_state  # noqa: E402
 
 pytestmark = pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines,
                                 reason="torch built without oneDNN's quantized engine")
+# Two of MiniLM's six layers (real weights, a third of the work), for the tests whose property does not depend on depth:
+# the cosine bound to float32 is checked on all six (`int8_minilm`).
+TWO_LAYERS = dict(num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,7 @@ def test_gptq_keeps_the_product_closer_than_rounding_to_nearest():
 def test_every_head_runs_int8(minilm_dir, text, head):
     calibration, evaluation = text
     torch.manual_seed(0)
-    fp32 = getattr(bi, head).from_pretrained(minilm_dir).eval()
+    fp32 = getattr(bi, head).from_pretrained(minilm_dir, **TWO_LAYERS).eval()
     choices = (lambda b: {k: v.unsqueeze(1).expand(-1, 2, -1) for k, v in b.items()}) if head.endswith("Choice") else (
         lambda b: b)  # multiple choice: (B, C, T), two choices
     int8 = quantize_for_inference(fp32, [choices(calibration[0])])
@@ -116,7 +119,7 @@ def test_weights_take_7_bits_without_vnni(minilm_dir, text, monkeypatch, vnni):
     """Without VNNI oneDNN adds pairs of uint8 x int8 products in int16 (saturating at 32767): there no weight exceeds
     63 in magnitude, so that no pair sum can (255 x 63 x 2 = 32130); with VNNI the full int8 range."""
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
-    int8 = quantize_for_inference(bi.BertImplModel.from_pretrained(minilm_dir).eval(), text[0][:1])
+    int8 = quantize_for_inference(bi.BertImplModel.from_pretrained(minilm_dir, **TWO_LAYERS).eval(), text[0][:1])
     largest = max(m.weight_int8.abs().max().item() for m in int8.modules() if isinstance(m, Int8Linear))
     assert largest == (127 if vnni else 63)
 
@@ -160,7 +163,7 @@ def test_a_nan_in_one_sequence_stays_in_that_sequence(minilm_dir, text, monkeypa
     # saturates its int16 pair sums, a different test: test_weights_take_7_bits_without_vnni).
     monkeypatch.setattr(quantization, "engine", lambda: engine)
     calibration, evaluation = text
-    fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    fp32 = bi.BertImplModel.from_pretrained(minilm_dir, **TWO_LAYERS).eval()
     int8 = quantize_for_inference(fp32, calibration[:1])
     with torch.no_grad():
         embeds = fp32.embeddings.word_embeddings(evaluation[0]["input_ids"][:4, :24])  # (4, 24, H), no padding
@@ -187,7 +190,7 @@ def test_query_key_and_value_are_one_product(minilm_dir, text, monkeypatch):
     """Query, key and value share their input: they are smoothed and rounded as one weight, and the fused layers run
     them as one product (`Int8Linear.concat` of the three, the same integers) with the outputs of the layers called as
     modules (hidden states asked for). Changing the float32 model afterwards does not change the int8 model."""
-    fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    fp32 = bi.BertImplModel.from_pretrained(minilm_dir, **TWO_LAYERS).eval()
     int8 = quantize_for_inference(fp32, text[0][:1])
     attention = int8.encoder.layer[0].attention.self
     parts = (attention.query, attention.key, attention.value)
@@ -218,7 +221,7 @@ def test_loaded_quantized_and_called_under_inference_mode(minilm_dir, text):
     batch = evaluation[0]
     real = batch["attention_mask"].bool()
     with torch.inference_mode():
-        fp32 = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+        fp32 = bi.BertImplModel.from_pretrained(minilm_dir, **TWO_LAYERS).eval()
         int8 = quantize_for_inference(fp32, calibration[:1])
         got, expected = int8(**batch).last_hidden_state[real], fp32(**batch).last_hidden_state[real]
     assert F.cosine_similarity(got, expected, dim=-1).min() > 0.98
