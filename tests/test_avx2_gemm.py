@@ -21,6 +21,7 @@ from torch import nn
 
 import modeling_bert_impl as bi
 from modeling_bert_impl.inference import avx2_gemm, quantization
+from modeling_bert_impl.inference.fused_layers import QKVAttention
 from modeling_bert_impl.inference.packed_linear import PackedLinear, is_exact_gelu
 from modeling_bert_impl.inference.quantization import Int8Linear
 from modeling_bert_impl.inference.serving import encoder_linears
@@ -105,7 +106,7 @@ def reference_attention(qkv: torch.Tensor, keep: torch.Tensor | None, heads: int
 def test_attention_is_float64s_within_sdpas_rounding(ops, B, T, heads, D, mask):
     """Queries in chunks of 64 and blocks of 6, keys in panels of 16 (37, 130: a last one cut short), head sizes not a
     multiple of 16 (8, 20); keep masks of padded keys (B, 1, 1, T), of random keys per query (B, 1, T, T), and eager
-    attention's additive mask (0 or the dtype's minimum) as KernelAttention passes it on."""
+    attention's additive mask (0 or the dtype's minimum) as kernel_attention passes it on."""
     generator = torch.Generator().manual_seed(B * 1000 + T + heads + D)
     qkv = torch.randn(B, T, 3 * heads * D, generator=generator) * 2
     keep = None
@@ -160,8 +161,8 @@ def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kerne
                  type(layer.intermediate.intermediate_act_fn)) for layer in layers] == [
             (avx2_gemm.KernelLinear, True, nn.Identity)] * 2
         assert not layers[0].output.dense.gelu and not layers[0].attention.output.dense.gelu
-        assert [(type(layer.attention.self), layer.attention.self.qkv.out_features) for layer in layers] == [
-            (avx2_gemm.KernelAttention, 3 * hidden)] * 2
+        assert [(type(layer.attention.self), layer.attention.self.attend, layer.attention.self.qkv.out_features)
+                for layer in layers] == [(QKVAttention, avx2_gemm.kernel_attention, 3 * hidden)] * 2
     assert all(is_exact_gelu(layer.intermediate.intermediate_act_fn) for layer in model.encoder.layer)
     assert [type(layer) for _, _, layer in encoder_linears(model.encoder)] == [PackedLinear] * 12
     assert [type(layer.attention.self) for layer in model.encoder.layer] == [BertImplSelfAttention] * 2

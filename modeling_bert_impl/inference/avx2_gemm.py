@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils import cpp_extension
 
+from .fused_layers import QKVAttention
 from .packed_linear import is_exact_gelu
 from .quantization import Int8Linear, weight_levels
 from .serving import encoder_linears
@@ -174,20 +175,12 @@ class KernelInt8Linear(nn.Module):
                                          self.out_features)
 
 
-class KernelAttention(nn.Module):
-    """A layer's self-attention (BertImplSelfAttention) with its softmax(q k^T * scaling) v through the kernel
-    (`bert_impl::attention`), on query, key and value in one product (`qkv`, a KernelLinear or KernelInt8Linear of
-    the three), without an attention map."""
-
-    def __init__(self, attention: nn.Module, qkv: nn.Module):
-        super().__init__()
-        self.qkv, self.num_heads, self.scaling = qkv, attention.num_attention_heads, attention.scaling
-
-    def forward(self, hidden_states, attention_mask=None, **kwargs):  # (B, T, H) -> (B, T, H), None
-        keep = attention_mask
-        if keep is not None and keep.dtype != torch.bool:  # eager attention's additive mask: 0 where a key is kept
-            keep = keep == 0
-        return torch.ops.bert_impl.attention(self.qkv(hidden_states), keep, self.num_heads, self.scaling), None
+def kernel_attention(qkv: torch.Tensor, num_heads: int, scaling: float, mask=None) -> torch.Tensor:
+    """softmax(q k^T * scaling) v through the kernel (`bert_impl::attention`), `dense_attention`'s arguments: qkv
+    (B, T, 3H) -> (B, T, H)."""
+    if mask is not None and mask.dtype != torch.bool:  # eager attention's additive mask: 0 where a key is kept
+        mask = mask == 0
+    return torch.ops.bert_impl.attention(qkv, mask, num_heads, scaling)
 
 
 def kernel_product(layers: list[nn.Module], gelu: bool = False) -> nn.Module:
@@ -199,8 +192,8 @@ def kernel_product(layers: list[nn.Module], gelu: bool = False) -> nn.Module:
 
 @contextmanager
 def kernel_modules(base: nn.Module):
-    """While tracing the program: in each layer, the self-attention replaced by a `KernelAttention` on one product of
-    query, key and value, and the other linear layers by the kernel's products (`kernel_product`), the feed-forward's
+    """While tracing the program: in each layer, the self-attention replaced by a `QKVAttention` with the kernel's
+    attention on the kernel's one product of query, key and value, and the other linear layers by the kernel's products (`kernel_product`), the feed-forward's
     exact GELU taken in its first product's (the activation then an identity); the pooler's product too (faster than
     oneDNN's there as well). Put back after."""
     targets = []
@@ -208,7 +201,7 @@ def kernel_modules(base: nn.Module):
         attention, intermediate = layer.attention.self, layer.intermediate
         gelu = isinstance(intermediate.dense, nn.Linear) and is_exact_gelu(intermediate.intermediate_act_fn)
         qkv = kernel_product([attention.query, attention.key, attention.value])
-        targets += [(layer.attention, "self", KernelAttention(attention, qkv)),
+        targets += [(layer.attention, "self", QKVAttention(attention, qkv, kernel_attention)),
                     (layer.attention.output, "dense", kernel_product([layer.attention.output.dense])),
                     (intermediate, "dense", kernel_product([intermediate.dense], gelu)),
                     (layer.output, "dense", kernel_product([layer.output.dense]))]

@@ -37,7 +37,6 @@ import tempfile
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
@@ -46,7 +45,7 @@ from ..bert_padding import UnpaddedLayout
 from ..input_checks import require_tracing_torch
 from ..modeling_bert_impl import BertImplModel
 from .frozen_model import InferenceModule, ModuleTree, inference_class, inference_copy
-from .fused_layers import UNMASKED_ATTENTION, group_size
+from .fused_layers import UNMASKED_ATTENTION, QKVAttention, group_size
 from .package_file import read_manifest, write_manifest
 from .packed_linear import untraced
 from .quantization import Int8Linear
@@ -268,24 +267,6 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     return torch._inductor.aoti_load_package(written)
 
 
-class JointAttention(nn.Module):
-    """A layer's self-attention (BertImplSelfAttention) for the program: query, key and value in one product (`qkv`,
-    of their weights concatenated: one GEMM in the program, as the fused layers run them), then torch's attention."""
-
-    def __init__(self, attention: nn.Module, qkv: nn.Module):
-        super().__init__()
-        self.qkv, self.num_heads, self.scaling = qkv, attention.num_attention_heads, attention.scaling
-
-    def forward(self, hidden_states, attention_mask=None, **kwargs):  # (B, T, H) -> (B, T, H), None
-        B, T, H = hidden_states.shape
-        qkv = self.qkv(hidden_states).view(B, T, 3, self.num_heads, H // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (B, N, T, D)
-        if attention_mask is not None and attention_mask.dtype != torch.bool:  # eager's additive mask, as it is
-            attention_mask = attention_mask.to(q.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling)
-        return y.transpose(1, 2).reshape(B, T, H), None
-
-
 def joint_product(layers: list[nn.Module]) -> nn.Module:
     """One module computing `layers` (of one input: nn.Linear or Int8Linear) side by side."""
     if isinstance(layers[0], Int8Linear):
@@ -297,12 +278,13 @@ def joint_product(layers: list[nn.Module]) -> nn.Module:
 
 
 def joint_attention(base: BertImplModel):
-    """While tracing the program: each layer's self-attention a `JointAttention`; put back after."""
+    """While tracing the program: each layer's self-attention a `QKVAttention` with torch's attention on one product
+    of query, key and value (one GEMM in the program, as the fused layers run them); put back after."""
     targets = []
     for layer in base.encoder.layer:
         attention = layer.attention.self
         qkv = joint_product([attention.query, attention.key, attention.value])
-        targets.append((layer.attention, "self", JointAttention(attention, qkv)))
+        targets.append((layer.attention, "self", QKVAttention(attention, qkv)))
     return avx2_gemm.swapped(targets)
 
 

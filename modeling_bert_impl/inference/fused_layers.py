@@ -141,8 +141,26 @@ def fused_layer(layer, x: torch.Tensor, products: LayerProducts, layout=None) ->
     return layer.output.LayerNorm.forward(products.down(h, residual=x))
 
 
-def dense_attention(qkv: torch.Tensor, num_heads: int, scaling: float) -> torch.Tensor:
-    """softmax(q k^T * scaling) v per sequence and head, no mask: qkv (B, T, 3H) -> (B, T, H)."""
+def dense_attention(qkv: torch.Tensor, num_heads: int, scaling: float, mask=None) -> torch.Tensor:
+    """softmax(q k^T * scaling) v per sequence and head: qkv (B, T, 3H) -> (B, T, H). `mask`: None, a bool mask (True
+    where a key is attended) or eager attention's additive one, broadcast to (B, N, T, T)."""
     B, T, H3 = qkv.shape
     q, k, v = qkv.view(B, T, 3, num_heads, H3 // (3 * num_heads)).permute(2, 0, 3, 1, 4)  # each (B, N, T, D)
-    return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2).reshape(B, T, H3 // 3)
+    if mask is not None and mask.dtype != torch.bool:  # eager's additive mask, as it is
+        mask = mask.to(q.dtype)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # (B, N, T, D)
+    return y.transpose(1, 2).reshape(B, T, H3 // 3)
+
+
+class QKVAttention(nn.Module):
+    """A layer's self-attention (BertImplSelfAttention) as the compiled programs trace it: query, key and value in one
+    product (`qkv`, of their weights joined), then `attend(qkv, num_heads, scaling, mask)`: torch's attention
+    (`dense_attention`) or the AVX2 kernel's (`avx2_gemm.kernel_attention`). No attention map."""
+
+    def __init__(self, attention: nn.Module, qkv: nn.Module, attend: Callable = dense_attention):
+        super().__init__()
+        self.qkv, self.attend = qkv, attend
+        self.num_heads, self.scaling = attention.num_attention_heads, attention.scaling
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):  # (B, T, H) -> (B, T, H), None
+        return self.attend(self.qkv(hidden_states), self.num_heads, self.scaling, attention_mask), None
