@@ -24,7 +24,7 @@ from modeling_bert_impl.inference import avx2_gemm, quantization
 from modeling_bert_impl.inference.fused_layers import QKVAttention
 from modeling_bert_impl.inference.packed_linear import PackedLinear, is_exact_gelu
 from modeling_bert_impl.inference.quantization import Int8Linear
-from modeling_bert_impl.inference.serving import encoder_linears
+from modeling_bert_impl.inference.anatomy import encoder_linears
 from modeling_bert_impl.modeling_bert_impl import BertImplSelfAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -32,7 +32,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 import modeling_bert_impl as bi
 from modeling_bert_impl.inference import avx2_gemm, compiled_encoder, fused_layers
 from modeling_bert_impl.inference.compiled_encoder import CompiledBertImplModel
-from modeling_bert_impl.inference.serving import encoder_linears
+from modeling_bert_impl.inference.anatomy import encoder_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402

@@ -3,6 +3,7 @@ the checkpoint files (the top-level modules that saved folders carry) import not
 `integrations/`, so that a folder's copy of the code needs only itself and transformers."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "modeling_bert_impl"
@@ -97,3 +98,11 @@ def test_no_test_file_imports_another():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
             found.update({(path.name, name): node.lineno for name in imported if name in names})
     assert not found, found
+
+
+def test_a_layers_linears_are_named_in_one_inference_module():
+    """inference/anatomy.py names a layer's linears (LAYER_PRODUCTS) and joins query, key and value; the engines take
+    them from it."""
+    stock_names = re.compile(r"intermediate\.dense|output\.dense|attention\.(self\.)?(query|key|value)\b")
+    naming = sorted(p.name for p in (PACKAGE / "inference").glob("*.py") if stock_names.search(p.read_text()))
+    assert naming == ["anatomy.py"]

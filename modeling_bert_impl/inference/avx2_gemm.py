@@ -48,10 +48,10 @@ import torch
 from torch import nn
 from torch.utils import cpp_extension
 
+from .anatomy import encoder_linears, joined, layer_sites
 from .fused_layers import QKVAttention
 from .packed_linear import is_exact_gelu
 from .quantization import Int8Linear, weight_levels
-from .serving import encoder_linears
 
 SOURCE = Path(__file__).with_name("csrc") / "sgemm_avx2.cpp"
 PANEL = 16  # output columns per panel (the C++ kernel's PANEL)
@@ -142,7 +142,7 @@ class KernelLinear(nn.Module):
     @classmethod
     def of(cls, layers: list[nn.Linear], gelu: bool = False) -> "KernelLinear":
         """The product of `layers` (of one input) side by side: their weights and biases concatenated."""
-        return cls(torch.cat([m.weight for m in layers]), torch.cat([m.bias for m in layers]), gelu)
+        return cls(*joined(layers), gelu)
 
     def forward(self, x):  # (..., in) -> (..., out)
         return torch.ops.bert_impl.sgemm(x, self.packed, self.bias, self.out_features, self.gelu)
@@ -193,19 +193,17 @@ def kernel_product(layers: list[nn.Module], gelu: bool = False) -> nn.Module:
 @contextmanager
 def kernel_modules(base: nn.Module):
     """While tracing the program: in each layer, the self-attention replaced by a `QKVAttention` with the kernel's
-    attention on the kernel's one product of query, key and value, and the other linear layers by the kernel's products (`kernel_product`), the feed-forward's
-    exact GELU taken in its first product's (the activation then an identity); the pooler's product too (faster than
-    oneDNN's there as well). Put back after."""
+    attention on the kernel's one product of query, key and value, and the other linear layers by the kernel's products
+    (`kernel_product`), the feed-forward's exact GELU taken in its first product's (the activation then an identity);
+    the pooler's product too (faster than oneDNN's there as well). Put back after."""
     targets = []
     for layer in base.encoder.layer:
-        attention, intermediate = layer.attention.self, layer.intermediate
-        gelu = isinstance(intermediate.dense, nn.Linear) and is_exact_gelu(intermediate.intermediate_act_fn)
-        qkv = kernel_product([attention.query, attention.key, attention.value])
-        targets += [(layer.attention, "self", QKVAttention(attention, qkv, kernel_attention)),
-                    (layer.attention.output, "dense", kernel_product([layer.attention.output.dense])),
-                    (intermediate, "dense", kernel_product([intermediate.dense], gelu)),
-                    (layer.output, "dense", kernel_product([layer.output.dense]))]
-        targets += [(intermediate, "intermediate_act_fn", nn.Identity())] if gelu else []
+        (qkv, _), (out, [out_at]), (up, [up_at]), (down, [down_at]) = layer_sites(layer)
+        gelu = isinstance(up[0], nn.Linear) and is_exact_gelu(layer.intermediate.intermediate_act_fn)
+        attention = QKVAttention(layer.attention.self, kernel_product(qkv), kernel_attention)
+        targets += [(layer.attention, "self", attention), (*out_at, kernel_product(out)),
+                    (*up_at, kernel_product(up, gelu)), (*down_at, kernel_product(down))]
+        targets += [(layer.intermediate, "intermediate_act_fn", nn.Identity())] if gelu else []
     if base.pooler is not None and isinstance(base.pooler.dense, nn.Linear):
         targets.append((base.pooler, "dense", kernel_product([base.pooler.dense])))
     with swapped(targets):

@@ -44,6 +44,7 @@ from . import avx2_gemm
 from ..bert_padding import UnpaddedLayout
 from ..input_checks import require_tracing_torch
 from ..modeling_bert_impl import BertImplModel
+from .anatomy import joined, layer_sites
 from .frozen_model import InferenceModule, ModuleTree, inference_class, inference_copy
 from .fused_layers import UNMASKED_ATTENTION, QKVAttention, group_size
 from .package_file import read_manifest, write_manifest
@@ -272,8 +273,7 @@ def joint_product(layers: list[nn.Module]) -> nn.Module:
     if isinstance(layers[0], Int8Linear):
         return Int8Linear.concat(layers)
     joint = nn.Linear(layers[0].in_features, sum(m.out_features for m in layers))
-    joint.weight.data = torch.cat([m.weight.detach() for m in layers])
-    joint.bias.data = torch.cat([m.bias.detach() for m in layers])
+    joint.weight.data, joint.bias.data = joined(layers)
     return joint
 
 
@@ -282,9 +282,8 @@ def joint_attention(base: BertImplModel):
     of query, key and value (one GEMM in the program, as the fused layers run them); put back after."""
     targets = []
     for layer in base.encoder.layer:
-        attention = layer.attention.self
-        qkv = joint_product([attention.query, attention.key, attention.value])
-        targets.append((layer.attention, "self", QKVAttention(attention, qkv)))
+        (qkv, _), *_ = layer_sites(layer)
+        targets.append((layer.attention, "self", QKVAttention(layer.attention.self, joint_product(qkv))))
     return avx2_gemm.swapped(targets)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..modeling_bert_impl import BertImplEncoder
+from .anatomy import joined, layer_sites
 from .frozen_model import InferenceModule, ModuleTree
 from .packed_linear import Frozen, cpu_inference, packed_product
 
@@ -66,14 +67,10 @@ class LayerProducts(NamedTuple):
 def packed_products(layer: nn.Module) -> LayerProducts:
     """The products of a layer whose linear layers are PackedLinear (packed_linear.py), query, key and value
     concatenated and packed once."""
-    attention = layer.attention.self
-    projections = (attention.query, attention.key, attention.value)
-    weight = torch.cat([p.weight.detach() for p in projections])  # (3H, H)
-    bias = torch.cat([p.bias.detach() for p in projections])  # (3H,)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    linears = (layer.attention.output.dense, layer.intermediate.dense, layer.output.dense)
-    others = (PackedProduct(m.packed.packed, m.bias) for m in linears)
-    return LayerProducts(PackedProduct(Frozen(packed), bias), *others)
+    (qkv, _), *others = layer_sites(layer)
+    weight, bias = joined(qkv)  # (3H, H), (3H,)
+    packed = PackedProduct(Frozen(torch.ops.mkldnn._reorder_linear_weight(weight)), bias)
+    return LayerProducts(packed, *(PackedProduct(m.packed.packed, m.bias) for (m,), _ in others))
 
 
 class FusedEncoder(InferenceModule, BertImplEncoder):

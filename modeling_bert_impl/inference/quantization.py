@@ -35,10 +35,11 @@ import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers torch.ops.
 import torch.nn.functional as F
 from torch import nn
 
+from .anatomy import encoder_linears, joined, layer_sites
 from .frozen_model import inference_copy
 from .fused_layers import LayerProducts, ModuleProduct, fuse_encoder
 from .packed_linear import pack_linears, untraced_inference
-from .serving import LAYER_PRODUCTS, base_of, encoder_linears, refuse_foreign_products
+from .serving import base_of, refuse_foreign_products
 
 DECOMPOSED = torch.ops.quantized_decomposed
 ROWS_UINT8 = (1 / 127, 128, 0, 255, torch.uint8)  # scale, zero point, range, dtype: [-1, 1] in 255 steps
@@ -170,14 +171,6 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def layer_sites(layer: nn.Module) -> list[tuple[list[nn.Module], list[tuple[nn.Module, str]]]]:
-    """A layer's products, each as (its nn.Linear layers, where they sit): query, key and value (one input, one
-    product), the attention output's, the feed-forward's two."""
-    places = [(layer.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2]) for path in LAYER_PRODUCTS]
-    groups = [places[:3], *([place] for place in places[3:])]  # query, key, value: LAYER_PRODUCTS' first three
-    return [([getattr(parent, name) for parent, name in group], group) for group in groups]
-
-
 @torch.no_grad()
 def quantize_for_inference(model: nn.Module, calibration) -> nn.Module:
     """An int8 inference model of `model` (any bert-impl head, on CPU in float32; the model itself is not changed).
@@ -200,7 +193,7 @@ def quantize_for_inference(model: nn.Module, calibration) -> nn.Module:
     products = []
     for linears, places in sites:
         first = linears[0]
-        weight, bias = (torch.cat([getattr(m, name) for m in linears]) for name in ("weight", "bias"))
+        weight, bias = joined(linears)
         joint = Int8Linear.quantize(weight, bias, input_max[first], input_moments=moments.pop(first))
         parts = joint.split([m.out_features for m in linears]) if len(linears) > 1 else [joint]
         for (parent, name), part in zip(places, parts):

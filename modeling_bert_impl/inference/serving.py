@@ -9,6 +9,7 @@ given stays plain and trainable, and changing it afterwards never changes the in
 
 from torch import nn
 
+from .anatomy import LAYER_PRODUCTS, layer_products
 from .frozen_model import inference_copy
 from .fused_layers import fuse_encoder, packed_products
 from .packed_linear import PackedLinear, pack_linears
@@ -38,15 +39,6 @@ def optimize_copy(model: nn.Module) -> nn.Module:
     return model
 
 
-LAYER_PRODUCTS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
-                  "intermediate.dense", "output.dense")  # a layer's linears, by their stock names
-
-
-def layer_products(layer: nn.Module) -> list[nn.Module]:
-    """The modules at a layer's LAYER_PRODUCTS (its linears, or whatever replaced them), in that order."""
-    return [layer.get_submodule(path) for path in LAYER_PRODUCTS]
-
-
 def packed_layer(layer: nn.Module) -> bool:
     """Whether every product of `layer` is a PackedLinear (not int8, not replaced)."""
     return all(type(linear) is PackedLinear for linear in layer_products(layer))
@@ -62,9 +54,3 @@ def refuse_foreign_products(encoder: nn.Module, engine: str, kinds: tuple[type, 
                     f"model: `encoder.layer.{i}.{path}` is a {type(module).__name__}, not the linear layer {engine} "
                     f"takes there; call {engine} before replacing it, or use optimize_for_inference, which runs such "
                     "a module as it is")
-
-
-def encoder_linears(encoder: nn.Module, kind: type = nn.Linear) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, attribute, layer) for every `kind` (nn.Linear, Int8Linear) inside the encoder's layers."""
-    return [(parent, name, child) for parent in encoder.layer.modules() for name, child in parent.named_children()
-            if isinstance(child, kind)]
