@@ -287,6 +287,20 @@ def test_changing_the_model_never_changes_the_compiled_model(packages, encoder_s
         assert (changed - before).abs().max() > 1e-4
 
 
+def test_a_weight_of_the_compiled_model_changed_in_place_is_refused_at_the_next_call(packages, encoder_state):
+    """The compiled model's own norm bias changed in place after its first answer: its next call is refused, naming
+    the weight (test_serving.py has each kind of change, on the other engines)."""
+    model = compiled("BertImplForSequenceClassification", packages, encoder_state)
+    inputs = {"input_ids": random_ids(2, seed=6)}
+    with torch.no_grad():
+        model(**inputs)
+        model.bert.encoder.layer[0].attention.output.LayerNorm.bias.add_(0.1)
+        refusal = ("`bert.encoder.layer.0.attention.output.LayerNorm.bias` was changed in place after "
+                   "compile_for_inference made this inference model")
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            model(**inputs)
+
+
 REPLACEMENTS = {  # changes made to the compiled model itself: the eager path, with them
     "a new parameter": UPDATES["a new parameter"],
     "a new module": UPDATES["a new module"],

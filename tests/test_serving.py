@@ -156,6 +156,38 @@ def test_changing_the_model_never_changes_its_inference_model(minilm_dir, update
     assert torch.equal(optimized.get_parameter(name), original)
 
 
+EDITS = {  # a weight of an inference model changed in place (name, how), refused at the next call
+    "a norm's bias": ("bert.encoder.layer.1.output.LayerNorm.bias", lambda t: t.add_(0.1)),
+    "a product's bias": ("bert.encoder.layer.0.intermediate.dense.bias", lambda t: t.mul_(2)),
+    "the embeddings, a new .data": ("bert.embeddings.word_embeddings.weight", lambda t: setattr(t, "data", t * 2)),
+    "the classifier, copy_": ("classifier.weight", lambda t: t.copy_(torch.zeros_like(t))),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+@pytest.mark.parametrize("engine", ["optimize_for_inference", "quantize_for_inference"])
+def test_a_weight_changed_in_place_is_refused_at_the_next_call(engine, edit):
+    """An inference model whose own weight (a parameter, or an int8 model's buffer) was changed in place after it was
+    made refuses its next call with a ValueError naming the weight and what to do; a copy of it (copy.deepcopy) keeps
+    refusing; the model it was made from, unchanged, gives the inference model's first answers again."""
+    torch.manual_seed(0)
+    model = bi.BertImplForSequenceClassification(bi.BertImplConfig(**SMALL)).eval()
+    inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))}
+    inference = bi.optimize_for_inference(model) if engine == "optimize_for_inference" else \
+        bi.quantize_for_inference(model, [inputs])
+    name, change = EDITS[edit]
+    with torch.no_grad():
+        before = inference(**inputs).logits
+        change(dict([*inference.named_parameters(), *inference.named_buffers()])[name])
+        refusal = f"`{name}` was changed in place after {engine} made this inference model"
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            inference(**inputs)
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            copy.deepcopy(inference)(**inputs)
+        again = getattr(bi, engine)(model, *([[inputs]] if engine == "quantize_for_inference" else []))
+        assert (again(**inputs).logits - before).abs().max() < 1e-6
+
+
 def test_the_model_given_is_left_as_it_was(minilm_dir):
     """optimize_for_inference works on a copy: the model given keeps its classes, modes, parameter values and
     gradient flags (here in training mode), and trains on."""

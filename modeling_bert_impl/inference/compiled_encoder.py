@@ -45,7 +45,7 @@ from ..bert_padding import UnpaddedLayout
 from ..input_checks import require_tracing_torch
 from ..modeling_bert_impl import BertImplModel
 from .anatomy import joined, layer_sites
-from .frozen_model import InferenceModule, ModuleTree, inference_class, inference_copy
+from .frozen_model import InferenceModule, ModuleTree, fix_weights, inference_class, inference_copy
 from .fused_layers import UNMASKED_ATTENTION, QKVAttention, group_size
 from .package_file import read_manifest, write_manifest
 from .packed_linear import untraced
@@ -114,7 +114,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     frozen_base.__class__ = compiled_class(type(frozen_base))
     frozen_base.compiled_encoder = CompiledEncoder(runner, frozen_base)
     frozen_base.program_tree = ModuleTree(frozen_base)
-    return frozen
+    return fix_weights(frozen)
 
 
 def check_metadata(found: dict, metadata: dict, package_path: str) -> None:

@@ -1,6 +1,6 @@
 """What makes a model an inference model: a copy of the model it was made from, in eval mode, its parameters needing no
-gradient, training refused (`InferenceModule`), and a way for its fast paths to see that nothing was hooked or replaced
-in it since it was made (`ModuleTree`).
+gradient, training refused (`InferenceModule`), its weights changed in place refused (`WeightsFixed`), and a way for its
+fast paths to see that nothing was hooked or replaced in it since it was made (`ModuleTree`).
 
 The engine's functions (`optimize_for_inference`, `quantize_for_inference`, `compile_for_inference`) work on
 `inference_copy(model)`: the model given stays as it was, plain and trainable, and nothing done to it afterwards
@@ -12,6 +12,7 @@ import functools
 import itertools
 import operator
 
+import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
@@ -22,14 +23,26 @@ REFUSED = ("{what}: this is an inference model made by {engine}, whose weights w
            "weights into) the model you passed to {engine}, then call {engine} again on it.")
 
 CAPTURE_HOOK = "output_capturing_hook"  # transformers' hooks that record attention maps when asked (capture_outputs)
+VERSION, DTYPE = operator.attrgetter("_version"), operator.attrgetter("dtype")  # of a tensor (`WeightsFixed`)
 
 
 class InferenceModule:
     """Refuses what would train an inference model or change its weights: `.train()`, `requires_grad_(True)`,
-    `load_state_dict`; `.eval()` is allowed. Saving it is refused too (`save_pretrained` would write the engine's
-    classes into the folder): the model it was made from saves the same weights."""
+    `load_state_dict`, and a call after a weight was changed in place (`WeightsFixed`); `.eval()` is allowed. Saving
+    it is refused too (`save_pretrained` would write the engine's classes into the folder): the model it was made from
+    saves the same weights."""
 
     made_by: str  # the engine's function (`inference_copy`)
+
+    def __call__(self, *args, **kwargs):
+        fixed = self.__dict__.get("weights_fixed")  # the engine's model only, not the base model inside a head
+        if fixed is not None and not torch.compiler.is_compiling() and (name := fixed.changed()) is not None:
+            raise ValueError(
+                f"{type(self).__name__}: `{name}` was changed in place after {self.made_by} made this inference "
+                "model, whose weights were fixed then (its fast paths hold their own copies of them, so its answers "
+                f"would mix old weights and new). Change the model you passed to {self.made_by}, then call "
+                f"{self.made_by} again on it")
+        return super().__call__(*args, **kwargs)
 
     def train(self, mode: bool = True):
         if mode:
@@ -74,6 +87,54 @@ def inference_copy(model: nn.Module, engine: str) -> nn.Module:
         if isinstance(module, PreTrainedModel):
             module.__class__ = inference_class(type(module))
     return frozen
+
+
+def fix_weights(model: nn.Module) -> nn.Module:
+    """`model`, an engine's finished inference model, refusing a call once a weight was changed in place
+    (`WeightsFixed`)."""
+    model.weights_fixed = WeightsFixed(model)
+    return model
+
+
+class WeightsFixed:
+    """The version and the storage of every parameter and buffer of an inference model when its engine finished.
+    Changing one in place since (through the tensor under no_grad, as an optimizer step, `copy_` or `fill_` do; a new
+    `.data` of the same dtype) changes them: `changed()` names it. A new dtype (`.double()`) is not a change here: the
+    fast paths step aside for it and every answer comes from the converted weights. A parameter replaced by another
+    object is not either: the fast paths step aside for it too (`ModuleTree`). Not seen: an in-place change through
+    `.data` (`p.data.mul_(2)`), for which torch counts no version, and one to a tensor made under
+    torch.inference_mode() (which counts none either) inside that mode. A copy of the model (`copy.deepcopy`) starts
+    from its weights then, and keeps a change found before."""
+
+    def __init__(self, model: nn.Module):
+        named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+        self.names, self.tensors = [n for n, _ in named], [t for _, t in named]
+        self.counted = [t for t in self.tensors if not t.is_inference()]  # the tensors with a version counter
+        self.versions, self.pointers = self.read()
+        self.dtypes, self.found = list(map(DTYPE, self.tensors)), None
+
+    def read(self) -> tuple[list, list]:
+        return list(map(VERSION, self.counted)), list(map(torch.Tensor.data_ptr, self.tensors))
+
+    def changed(self) -> str | None:
+        """The name of the first tensor changed in place since, or None. One look at the versions and the storage
+        pointers of the tensors, in C (each tensor apart only where one differs)."""
+        if self.found is None and self.read() == (self.versions, self.pointers):
+            return None
+        versions = dict(zip(map(id, self.counted), self.versions))
+        for name, t, pointer, dtype in zip(self.names, self.tensors, self.pointers, self.dtypes):
+            moved = t.data_ptr() != pointer and t.dtype == dtype
+            if self.found is None and (moved or (id(t) in versions and t._version != versions[id(t)])):
+                self.found = name
+        return self.found
+
+    def __deepcopy__(self, memo):
+        copied = WeightsFixed.__new__(WeightsFixed)
+        copied.names, copied.tensors = self.names, [copy.deepcopy(t, memo) for t in self.tensors]
+        copied.counted = [t for t in copied.tensors if not t.is_inference()]
+        copied.versions, copied.pointers = copied.read()
+        copied.dtypes, copied.found = list(map(DTYPE, copied.tensors)), self.changed()
+        return copied
 
 
 def refuse_loads(module: nn.Module, engine: str) -> None:

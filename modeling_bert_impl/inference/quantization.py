@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .anatomy import encoder_linears, joined, layer_sites
-from .frozen_model import inference_copy
+from .frozen_model import fix_weights, inference_copy
 from .fused_layers import LayerProducts, ModuleProduct, fuse_encoder
 from .packed_linear import pack_linears, untraced_inference
 from .serving import base_of, refuse_foreign_products
@@ -201,7 +201,7 @@ def quantize_for_inference(model: nn.Module, calibration) -> nn.Module:
         products.append(ModuleProduct(joint if len(linears) > 1 else parts[0]))
     pack_linears(frozen.eval())  # the new layers in eval mode too; the pooler and the heads packed
     fuse_encoder(encoder, [LayerProducts(*products[i:i + 4]) for i in range(0, len(products), 4)])
-    return frozen
+    return fix_weights(frozen)
 
 
 def calibrate(model: nn.Module, layers: list[nn.Module], calibration) -> tuple[dict, dict]:

@@ -10,7 +10,7 @@ given stays plain and trainable, and changing it afterwards never changes the in
 from torch import nn
 
 from .anatomy import LAYER_PRODUCTS, layer_products
-from .frozen_model import inference_copy
+from .frozen_model import fix_weights, inference_copy
 from .fused_layers import fuse_encoder, packed_products
 from .packed_linear import PackedLinear, pack_linears
 
@@ -27,7 +27,7 @@ def optimize_for_inference(model: nn.Module) -> nn.Module:
     Its CPU float32 `nn.Linear` layers become `PackedLinear` (their weights packed now), and where every linear layer of
     the encoder did, the encoder becomes a `FusedEncoder`. Layers it cannot pack (GPU, other dtypes, a torch without
     oneDNN) stay as they are, and run as in the model given."""
-    return optimize_copy(inference_copy(model, "optimize_for_inference"))
+    return fix_weights(optimize_copy(inference_copy(model, "optimize_for_inference")))
 
 
 def optimize_copy(model: nn.Module) -> nn.Module:
