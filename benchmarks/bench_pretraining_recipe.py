@@ -82,6 +82,16 @@ def blocks_of(examples: dict, max_seq_length: int) -> dict:
     return blocks
 
 
+def run_mlm_blocks(tokenizer, corpus: Path, work: Path, seq_len: int) -> datasets.Dataset:
+    """run_mlm.py's training data: the corpus's lines as a text data set, tokenized with special tokens, joined and cut
+    into blocks of `seq_len` (`blocks_of`)."""
+    raw = datasets.load_dataset("text", data_files={"train": str(corpus)}, cache_dir=str(work / "cache"),
+                                split="train")
+    tokenized = raw.map(lambda batch: tokenizer(batch["text"], return_special_tokens_mask=True), batched=True,
+                        remove_columns=["text"])
+    return tokenized.map(blocks_of, batched=True, fn_kwargs={"max_seq_length": seq_len})
+
+
 def stock_config(preset: str, vocab_size: int) -> transformers.BertConfig:
     ours = BertImplConfig.from_preset(preset, vocab_size=vocab_size)
     return transformers.BertConfig(**{k: getattr(ours, k) for k in (
@@ -94,11 +104,7 @@ def stock_config(preset: str, vocab_size: int) -> transformers.BertConfig:
 def run_mlm_pipeline(args, corpus: Path, work: Path, name: str) -> float:
     """run_mlm.py's pipeline (see the module docstring); returns real tokens/s over train_runtime."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
-    raw = datasets.load_dataset("text", data_files={"train": str(corpus)}, cache_dir=str(work / "cache"),
-                                split="train")
-    tokenized = raw.map(lambda batch: tokenizer(batch["text"], return_special_tokens_mask=True), batched=True,
-                        remove_columns=["text"])
-    blocks = tokenized.map(blocks_of, batched=True, fn_kwargs={"max_seq_length": args.seq_len})
+    blocks = run_mlm_blocks(tokenizer, corpus, work, args.seq_len)
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(stock_config(args.preset, len(tokenizer)))
     training_args = transformers.TrainingArguments(
