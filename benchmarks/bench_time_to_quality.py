@@ -18,7 +18,7 @@ same held-out text with the same fixed masking.
   evaluation at or above it, linearly interpolated between evaluations), and its ratio. A table and a PNG plot of
   accuracy and loss against minutes are written to --out.
 
-    python benchmarks/bench_time_to_quality.py --preset mini --budget 8m --out benchmarks/results/ttq-mini
+    python benchmarks/bench_time_to_quality.py --preset mini --budget 7m --out outputs/ttq-mini
 """
 
 import argparse
