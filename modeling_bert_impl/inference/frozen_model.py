@@ -92,7 +92,7 @@ def inference_copy(model: nn.Module, engine: str) -> nn.Module:
 def fix_weights(model: nn.Module) -> nn.Module:
     """`model`, an engine's finished inference model, refusing a call once a weight was changed in place
     (`WeightsFixed`)."""
-    model.weights_fixed = WeightsFixed(model)
+    model.weights_fixed = WeightsFixed.of(model)
     return model
 
 
@@ -106,12 +106,16 @@ class WeightsFixed:
     torch.inference_mode() (which counts none either) inside that mode. A copy of the model (`copy.deepcopy`) starts
     from its weights then, and keeps a change found before."""
 
-    def __init__(self, model: nn.Module):
-        named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
-        self.names, self.tensors = [n for n, _ in named], [t for _, t in named]
-        self.counted = [t for t in self.tensors if not t.is_inference()]  # the tensors with a version counter
+    def __init__(self, names: list[str], tensors: list, found: str | None = None):
+        self.names, self.tensors, self.found = names, tensors, found
+        self.counted = [t for t in tensors if not t.is_inference()]  # the tensors with a version counter
         self.versions, self.pointers = self.read()
-        self.dtypes, self.found = list(map(DTYPE, self.tensors)), None
+        self.dtypes = list(map(DTYPE, tensors))
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "WeightsFixed":
+        named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+        return cls([n for n, _ in named], [t for _, t in named])
 
     def read(self) -> tuple[list, list]:
         return list(map(VERSION, self.counted)), list(map(torch.Tensor.data_ptr, self.tensors))
@@ -129,12 +133,7 @@ class WeightsFixed:
         return self.found
 
     def __deepcopy__(self, memo):
-        copied = WeightsFixed.__new__(WeightsFixed)
-        copied.names, copied.tensors = self.names, [copy.deepcopy(t, memo) for t in self.tensors]
-        copied.counted = [t for t in copied.tensors if not t.is_inference()]
-        copied.versions, copied.pointers = copied.read()
-        copied.dtypes, copied.found = list(map(DTYPE, copied.tensors)), self.changed()
-        return copied
+        return WeightsFixed(self.names, [copy.deepcopy(t, memo) for t in self.tensors], self.changed())
 
 
 def refuse_loads(module: nn.Module, engine: str) -> None:
