@@ -18,9 +18,9 @@ import transformers
 from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments
 
 from checkpoints import prepare_run
-from user_files import read_table
 from redaction import RedactingFilter, redact
 from sources import load_hub_dataset, require_sources
+from user_files import read_table
 
 logger = logging.getLogger(__name__)
 
