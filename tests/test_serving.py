@@ -20,6 +20,7 @@ import transformers
 import modeling_bert_impl as bi
 import modeling_bert_impl.inference.fused_layers as fused_layers
 import modeling_bert_impl.inference.packed_linear as packed_linear
+import modeling_bert_impl.inference.serving as serving
 from modeling_bert_impl.inference.fused_layers import FusedEncoder
 from modeling_bert_impl.inference.packed_linear import PackedLinear, pack, packed_product
 from modeling_bert_impl.inference.serving import optimize_for_inference
@@ -257,6 +258,61 @@ def test_state_dict_copies_and_dtypes(minilm_dir, reference):
         got = double(**inputs)
         assert max_diff(got, reference.double()(**inputs), inputs) < 1e-10
     reference.float()
+
+
+def paragraphs(count: int) -> list[str]:
+    """Real English prose, with some code: the first `count` paragraphs of pydoc's topics (in every Python install)."""
+    import pydoc_data.topics
+
+    texts = [" ".join(p.split()) for text in pydoc_data.topics.topics.values() for p in text.split("\n\n")]
+    return [t for t in texts if len(t.split()) >= 4][:count]
+
+
+def test_bfloat16_is_refused_by_name_where_the_cpu_has_no_bfloat16_units(minilm_dir, monkeypatch):
+    """dtype=torch.bfloat16 on a CPU without AMX or AVX512-BF16, and a dtype the engine does not run: a ValueError
+    naming the dtype and what to use instead."""
+    model = bi.BertImplModel.from_pretrained(minilm_dir)
+    monkeypatch.setattr(serving, "cpu_bf16_units", lambda: None)
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16 needs a CPU with AMX or AVX512-BF16.*dtype=torch."
+                                         r"float32 \(the default\)"):
+        optimize_for_inference(model, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dtype=torch.float16 is not supported; use torch.float32"):
+        optimize_for_inference(model, dtype=torch.float16)
+
+
+# the accuracy docs/cpu-inference.md states for dtype=torch.bfloat16 on MiniLM, against its float32 inference model
+BF16_TOKEN_COSINE = {"min": 0.999, "mean": 0.9999}
+BF16_SENTENCE_COSINE = 0.9999
+
+
+@pytest.mark.skipif(packed_linear.cpu_bf16_units() is None, reason="needs a CPU with AMX or AVX512-BF16 (the "
+                    "refusal elsewhere: test_bfloat16_is_refused_by_name_where_the_cpu_has_no_bfloat16_units)")
+def test_bfloat16_inference_stays_within_its_stated_bound_of_float32(minilm_dir):
+    """optimize_for_inference(dtype=torch.bfloat16) on 64 paragraphs of real text, padded batches of 16 and one
+    sentence at a time: its products are bfloat16 ones (the packed weights, an output that is not float32's), and its
+    last hidden state is within the stated per-token and mean-pooled cosine of the float32 inference model's."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    model = bi.BertImplModel.from_pretrained(minilm_dir).eval()
+    full, half = optimize_for_inference(model), optimize_for_inference(model, dtype=torch.bfloat16)
+    assert half.encoder.layer[0].output.dense.packed.packed.value.dtype == torch.bfloat16
+    texts = paragraphs(64)
+    batches = [tokenizer(texts[i:i + 16], padding=True, truncation=True, max_length=256, return_tensors="pt")
+               for i in range(0, len(texts), 16)]
+    batches += [tokenizer(text, truncation=True, max_length=256, return_tensors="pt") for text in texts[:4]]
+    tokens, sentences = [], []
+    with torch.inference_mode():
+        for inputs in batches:
+            expected, got = full(**inputs).last_hidden_state, half(**inputs).last_hidden_state
+            assert got.dtype == torch.float32 and not torch.equal(got, expected)
+            real = inputs["attention_mask"].bool()
+            tokens.append(torch.cosine_similarity(got[real], expected[real], dim=-1))
+            pool = lambda h: (h * real[..., None]).sum(1) / real.sum(1, keepdim=True)  # noqa: E731 (mean pooling)
+            sentences.append(torch.cosine_similarity(pool(got), pool(expected), dim=-1))
+    tokens, sentences = torch.cat(tokens), torch.cat(sentences)
+    print(f"bfloat16 against float32: per-token cosine min {tokens.min():.5f}, mean {tokens.mean():.6f} "
+          f"({len(tokens):,} tokens); sentence cosine min {sentences.min():.6f}")
+    assert tokens.min() >= BF16_TOKEN_COSINE["min"] and tokens.mean() >= BF16_TOKEN_COSINE["mean"]
+    assert sentences.min() >= BF16_SENTENCE_COSINE
 
 
 class Scaled(torch.nn.Module):

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from ..modeling_bert_impl import BertImplEncoder
 from .anatomy import joined, layer_sites
 from .frozen_model import InferenceModule, ModuleTree
-from .packed_linear import Frozen, cpu_inference, packed_product
+from .packed_linear import Frozen, cpu_inference, pack, packed_product
 
 UNMASKED_ATTENTION = ("sdpa", "eager")  # attention implementations whose arithmetic, with no mask, is softmax(q k^T) v
 # Tokens a dense batch's group of sequences may hold on its way through all the layers (`fused_encoder`): a group's
@@ -69,7 +69,7 @@ def packed_products(layer: nn.Module) -> LayerProducts:
     concatenated and packed once."""
     (qkv, _), *others = layer_sites(layer)
     weight, bias = joined(qkv)  # (3H, H), (3H,)
-    packed = PackedProduct(Frozen(torch.ops.mkldnn._reorder_linear_weight(weight)), bias)
+    packed = PackedProduct(pack(weight, qkv[0].packed.packed.value.dtype), bias)
     return LayerProducts(packed, *(PackedProduct(m.packed.packed, m.bias) for (m,), _ in others))
 
 

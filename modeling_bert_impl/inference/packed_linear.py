@@ -66,6 +66,14 @@ def fuse_gelu() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+def cpu_bf16_units() -> str | None:
+    """The CPU's bfloat16 units, "AMX" or "AVX512-BF16", or None where it has neither: there torch runs bfloat16
+    products by converting to float32, slower than float32 products themselves."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    return "AVX512-BF16" if torch.cpu._is_avx512_bf16_supported() else None
+
+
 def packable_weight(weight: torch.Tensor) -> bool:
     """A float32 CPU weight, with a torch built with oneDNN."""
     return ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32
@@ -87,9 +95,9 @@ def cpu_inference(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and untraced()
 
 
-def pack(weight: torch.Tensor) -> Frozen:
-    """`weight` (out, in) in oneDNN's layout."""
-    return Frozen(torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()))
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> Frozen:
+    """`weight` (out, in) in `dtype` (float32, or bfloat16 on a CPU with `cpu_bf16_units`) in oneDNN's layout."""
+    return Frozen(torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous()))
 
 
 class PackedWeight(NamedTuple):
@@ -99,12 +107,29 @@ class PackedWeight(NamedTuple):
 
 def packed_product(x, packed: torch.Tensor, bias, activation=None, residual=None):
     """activation(x W^T + b) (+ residual) with W packed by `pack`. (..., in) -> (..., out)"""
+    if packed.dtype != torch.float32:
+        return bf16_product(x, packed, bias, activation, residual)
     fused = activation is not None and is_exact_gelu(activation) and fuse_gelu()
     if residual is not None and activation is None:  # the residual sum inside the same oneDNN call
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
     # "gelu" with algorithm "none": oneDNN's erf GELU (not the tanh approximation)
     y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu" if fused else "none", [], "none" if fused else "")
     y = y if fused or activation is None else activation(y)
+    return y if residual is None else y + residual
+
+
+def bf16_product(x, packed: torch.Tensor, bias, activation=None, residual=None):
+    """`packed_product` with W packed in bfloat16: x (float32, or a bfloat16 output of this function) rounded to
+    bfloat16 for the product; the bias, activation and residual in float32, and a float32 output. Except where the
+    exact GELU runs inside oneDNN's call (`fuse_gelu`): with the bias, in bfloat16, and that bfloat16 output is the
+    next product's input as it is (the feed-forward's intermediate, 4H wide, never converted)."""
+    low = x.to(packed.dtype)
+    if activation is not None and residual is None and is_exact_gelu(activation) and fuse_gelu():
+        return torch.ops.mkldnn._linear_pointwise(low, packed, None if bias is None else bias.to(packed.dtype), "gelu",
+                                                  [], "none")
+    y = torch.ops.mkldnn._linear_pointwise(low, packed, None, "none", [], "").float()
+    y = y if bias is None else y + bias
+    y = y if activation is None else activation(y)
     return y if residual is None else y + residual
 
 
@@ -123,9 +148,10 @@ class PackedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Every plain nn.Linear of `model` with a packable weight becomes a PackedLinear, in place."""
+def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """Every plain nn.Linear of `model` with a packable weight becomes a PackedLinear whose products run in `dtype`, in
+    place."""
     for module in model.modules():
         if type(module) is nn.Linear and packable_weight(module.weight):
             module.__class__ = PackedLinear
-            module.packed = PackedWeight(pack(module.weight), module.weight)
+            module.packed = PackedWeight(pack(module.weight, dtype), module.weight)

@@ -1,4 +1,5 @@
-"""`optimize_for_inference(model)`: an inference model for CPU serving, float32, nothing compiled.
+"""`optimize_for_inference(model)`: an inference model for CPU serving, float32 (its products in bfloat16 on request,
+on a CPU with bfloat16 units), nothing compiled.
 
 It is a copy of the model (frozen_model.py), with the same module names and state dict, whose linear layers hold their
 weights packed in oneDNN's layout (packed_linear.py) and whose encoder runs its layers fused (fused_layers.py), query,
@@ -7,12 +8,13 @@ given stays plain and trainable, and changing it afterwards never changes the in
 `optimize_for_inference` again for the new weights). Memory: the copy, and one more packed copy of the linear weights.
 """
 
+import torch
 from torch import nn
 
 from .anatomy import LAYER_PRODUCTS, layer_products
 from .frozen_model import fix_weights, inference_copy
 from .fused_layers import fuse_encoder, packed_products
-from .packed_linear import PackedLinear, pack_linears
+from .packed_linear import PackedLinear, cpu_bf16_units, pack_linears
 
 
 def base_of(model: nn.Module) -> nn.Module:
@@ -20,19 +22,43 @@ def base_of(model: nn.Module) -> nn.Module:
     return getattr(model, "base_model", model)
 
 
-def optimize_for_inference(model: nn.Module) -> nn.Module:
+def optimize_for_inference(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
     """An inference model of `model` (any bert-impl head; the model itself is not changed), in eval mode, refusing
     training with a ValueError.
 
     Its CPU float32 `nn.Linear` layers become `PackedLinear` (their weights packed now), and where every linear layer of
     the encoder did, the encoder becomes a `FusedEncoder`. Layers it cannot pack (GPU, other dtypes, a torch without
-    oneDNN) stay as they are, and run as in the model given."""
-    return fix_weights(optimize_copy(inference_copy(model, "optimize_for_inference")))
+    oneDNN) stay as they are, and run as in the model given.
+
+    `dtype=torch.bfloat16` packs the weights in bfloat16: each product then runs in bfloat16 on the CPU's bfloat16
+    units (AMX or AVX512-BF16; a ValueError on a CPU without them), while inputs, outputs, the state dict, embeddings,
+    LayerNorm, attention and GELU stay float32 (docs/cpu-inference.md gives its accuracy)."""
+    check_dtype(model, dtype)
+    return fix_weights(optimize_copy(inference_copy(model, "optimize_for_inference"), dtype))
 
 
-def optimize_copy(model: nn.Module) -> nn.Module:
-    """`optimize_for_inference`'s changes made to `model`, an inference copy, in place; returns it."""
-    pack_linears(model)
+def check_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """A ValueError for a dtype optimize_for_inference does not run: not float32 or bfloat16, or bfloat16 on a CPU
+    without bfloat16 units, or for a model whose weights are not on the CPU."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"optimize_for_inference: dtype={dtype} is not supported; use torch.float32 (the default) or "
+                         "torch.bfloat16")
+    if dtype == torch.float32:
+        return
+    if cpu_bf16_units() is None:
+        raise ValueError("optimize_for_inference: dtype=torch.bfloat16 needs a CPU with AMX or AVX512-BF16, and this "
+                         f"one has neither ({torch.backends.cpu.get_cpu_capability()}): its bfloat16 products would "
+                         "run slower than float32; use dtype=torch.float32 (the default)")
+    devices = {p.device.type for p in model.parameters()}
+    if devices != {"cpu"}:
+        raise ValueError(f"optimize_for_inference: dtype=torch.bfloat16 is for a model on the CPU, and this one is on "
+                         f"{sorted(devices)}; on a GPU run the model under torch.autocast or in bfloat16 itself")
+
+
+def optimize_copy(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """`optimize_for_inference`'s changes made to `model`, an inference copy, in place, its products in `dtype`; returns
+    it."""
+    pack_linears(model, dtype)
     encoder = getattr(base_of(model), "encoder", None)
     if encoder is not None and all(map(packed_layer, encoder.layer)):
         fuse_encoder(encoder, [packed_products(layer) for layer in encoder.layer])
