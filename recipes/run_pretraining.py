@@ -5,7 +5,8 @@ RoBERTa, MosaicBERT, Cramming and ModernBERT train), optionally in length phases
 within a wall-clock budget (`--time_budget 2h`).
 
 Every `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`,
-`--push_to_hub`, `--report_to`, ...), and the script runs as is under `torchrun` and `accelerate launch`.
+`--push_to_hub`, `--report_to`, ...), and the script runs as is under `torchrun` and `accelerate launch`. The first log
+lines say the precision, and on a CPU with AMX or AVX512-BF16 that `--bf16` would use them.
 See recipes/PRETRAINING.md for the paper's recipe and the modern one side by side. As in the fine-tuning recipes
 (`checkpoints.py`), an --output_dir holding an earlier run is refused without --overwrite_output_dir, checkpoints are
 written all-or-nothing, and `--resume_from_checkpoint last` takes the newest complete one.

@@ -386,6 +386,48 @@ def test_pretraining_reduces_the_loss_and_saves_an_auto_loadable_model(minilm_di
         assert model(**batch).prediction_logits.shape[-1] == 30522
 
 
+@pytest.mark.parametrize("units", [None, "AMX"], ids=["cpu_without_bf16_units", "cpu_with_amx"])
+def test_the_first_log_lines_name_the_precision_and_the_cpus_bf16_units(minilm_dir, corpus_file, tmp_path, monkeypatch,
+                                                                        units, caplog):
+    """float32 unless --bf16; where the CPU has AMX or AVX512-BF16 the log names them, where it has neither, --bf16
+    is run as asked and the log says it is slower there than float32."""
+    monkeypatch.setattr(run_pretraining.common, "cpu_bf16_units", lambda: units)
+    flags = [*PRETRAINING_FLAGS, "--tokenizer_name", minilm_dir, "--train_file", corpus_file, "--do_train"]
+    for given, expected in ([], False), (["--bf16", "false"], False), (["--bf16", "true"], True):
+        training_args = run_pretraining.parse_args([*flags, *given, "--output_dir", str(tmp_path / str(given))])[-1]
+        assert training_args.bf16 is expected, given
+        with caplog.at_level("WARNING"):
+            run_pretraining.common.setup_logging(training_args)
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("precision: ")][-1]
+        if expected:
+            assert said.startswith("precision: bfloat16 autocast") and (units or "slower than float32") in said
+        else:
+            assert said == ("precision: float32" + (f" (--bf16 for bfloat16 autocast on the CPU's {units})" if units
+                                                    else ""))
+
+
+@pytest.mark.slow
+def test_bf16_training_on_the_cpu_gives_falling_losses_and_a_float32_checkpoint(minilm_dir, corpus_file, tmp_path):
+    """--bf16 true on the CPU (its bfloat16 units where it has them, emulated elsewhere): finite, falling losses, and a
+    float32 checkpoint that loads and predicts."""
+    out = tmp_path / "out"
+    run_pretraining.main([
+        *PRETRAINING_FLAGS, "--tokenizer_name", minilm_dir, "--train_file", corpus_file, "--bf16", "true",
+        "--validation_split_percentage", "0", "--do_train", "--max_steps", "30", "--learning_rate", "2e-3",
+        "--warmup_steps", "3", "--logging_steps", "3", "--save_strategy", "no", "--output_dir", str(out),
+        "--cache_dir", str(tmp_path / "cache"),
+    ])
+    losses = [entry["loss"] for entry in training_logs(out)]
+    print(f"bf16 loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 2.0
+    model = transformers.AutoModelForPreTraining.from_pretrained(out)
+    assert model.dtype == torch.float32
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    with torch.no_grad():
+        out = model(**tokenizer("The bread is done when the crust is [MASK].", return_tensors="pt"))
+    assert torch.isfinite(out.prediction_logits).all()
+
+
 @pytest.mark.slow
 def test_torchrun_two_cpu_processes_train_data_parallel(minilm_dir, corpus_file, tmp_path):
     out = tmp_path / "ddp"
