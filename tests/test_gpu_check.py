@@ -51,3 +51,21 @@ def test_gpu_check_on_one_gpu_says_the_ddp_step_was_not_run(monkeypatch):
         "not run: this machine has 1 GPU; the 2-process DDP step needs 2 or more")
     monkeypatch.setattr(gpu_check, "gpu_count", lambda: 2)
     assert "--nproc_per_node" in gpu_check.part_command("ddp", "cuda")
+
+
+def test_the_bf16_parts_run_where_the_cpu_has_bf16_units_and_say_why_not_elsewhere(monkeypatch, tmp_path):
+    """Each bf16_* part: "not run" naming the missing units on a CPU without them; where it has them, its command, and
+    "not run" naming `datasets` for the recipe parts where that is missing."""
+    def probe(has_datasets, units):
+        return lambda command, timeout, env=None: (0, f"{has_datasets}\n{units}\n", 0.1)
+
+    bf16_parts = [part for part in gpu_check.PARTS if part.startswith("bf16_")]
+    monkeypatch.setattr(gpu_check, "run", probe(True, None))
+    for part in bf16_parts:
+        assert gpu_check.part_command(part, "cuda", tmp_path, {}).startswith("not run: this CPU has neither AMX nor")
+    monkeypatch.setattr(gpu_check, "run", probe(True, "AMX"))
+    for part in bf16_parts:
+        assert isinstance(gpu_check.part_command(part, "cuda", tmp_path, {}), list), part
+    monkeypatch.setattr(gpu_check, "run", probe(False, "AMX"))
+    assert gpu_check.part_command("bf16_ttq", "cuda", tmp_path, {}).startswith("not run: `datasets` is not installed")
+    assert "tests/test_pretraining.py" not in gpu_check.part_command("bf16_tests", "cuda", tmp_path, {})
