@@ -2,8 +2,8 @@
 
 Importing this package registers `bert_impl` with transformers' Auto classes (config, every head, and the tokenizer
 from the `tokenization` package), so `AutoModelForX.from_pretrained(folder)` and `AutoTokenizer.from_pretrained(folder)`
-give our classes without `trust_remote_code`. With peft installed, it also gives "bert_impl" peft's default target
-modules (`integrations.peft_support`).
+give our classes without `trust_remote_code`. peft's default target modules for "bert_impl" come with an explicit call,
+`register_peft_defaults()` (`integrations.peft_support`).
 
 Layout: the checkpoint's code (configuration, model, padding helpers, input checks, the stock format) flat here,
 copied into saved folders, importing nothing else of the package; the CPU inference engine in `inference/`; PEFT,
@@ -45,7 +45,6 @@ def _register() -> None:
 
 
 _register()
-register_peft_defaults()  # peft's default target_modules for "bert_impl" (nothing without peft)
 
 __all__ = [
     "PRESETS",
@@ -67,4 +66,5 @@ __all__ = [
     "optimize_for_inference",
     "quantize_for_inference",
     "compile_for_inference",
+    "register_peft_defaults",
 ]

@@ -10,6 +10,9 @@ references are transformers' BERT with the same adapter, or our model before sav
 import inspect
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from helpers import layouts_built
 peft = pytest.importorskip("peft")
 from peft import AutoPeftModelForSequenceClassification, LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
+bi.register_peft_defaults()  # as docs/integrations.md shows: peft's "bert" defaults for "bert_impl"
 TOL = 1e-5
 SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
              max_position_embeddings=64, num_labels=2)
@@ -234,6 +238,25 @@ def test_default_target_modules_are_stock_ones(wide_stock_dir, method):
     if method == "IA3":
         feedforward = lambda m: {n for n, mod in m.named_modules() if getattr(mod, "is_feedforward", False)}  # noqa
         assert feedforward(model) == feedforward(on_stock) and feedforward(model)
+
+
+def test_peft_defaults_come_with_the_call_not_the_import():
+    """Importing the package leaves peft's tables as they were; `register_peft_defaults()` gives "bert_impl" every
+    "bert" entry, and a second call changes nothing."""
+    code = (
+        "from peft.utils import constants\n"
+        "import modeling_bert_impl as bi\n"
+        "tables = [t for n, t in vars(constants).items() if n.startswith('TRANSFORMERS_MODELS_TO_') and "
+        "isinstance(t, dict) and isinstance(t.get('bert'), list)]\n"
+        "assert tables and not any('bert_impl' in t for t in tables), 'registered at import'\n"
+        "bi.register_peft_defaults(); bi.register_peft_defaults()\n"
+        "assert all(t['bert_impl'] == t['bert'] for t in tables)\n"
+        "print(len(tables))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) > 5
 
 
 def test_defaults_on_stock_folders_loaded_through_the_patch(stock_dir):

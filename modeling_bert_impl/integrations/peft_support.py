@@ -6,8 +6,10 @@ The module names are stock BERT's, so an adapter trained on either model loads o
 - Default `target_modules`: peft picks them by model_type from its `TRANSFORMERS_MODELS_TO_*` tables; "bert_impl"
   gets the "bert" entry of each, so `LoraConfig(task_type="SEQ_CLS")` and the rest work without `target_modules`.
 
-Registered when this package is imported, if peft is installed. (Poly and Lily, whose layers compute over the whole
-(B, T, H) batch, get it from the model itself: a call with their layers in the encoder runs the padded layout.)
+Registered by calling `register_peft_defaults()` (peft has no API for a model type's defaults: its tables are module
+dicts, so registering changes them for the process, which an import should not do behind the user's back). Without
+it, peft asks for `target_modules`. (Poly and Lily, whose layers compute over the whole (B, T, H) batch, need nothing
+here: a call with their layers in the encoder runs the padded layout.)
 """
 
 
@@ -24,6 +26,7 @@ def _tables_with_bert() -> list[dict]:
 
 
 def register_peft_defaults() -> None:
-    """Give "bert_impl" every "bert" default in peft's tables."""
+    """Give "bert_impl" every "bert" default in peft's tables (nothing without peft; calling it again changes nothing),
+    so that a peft config without `target_modules` targets stock BERT's modules on bert-impl too."""
     for table in _tables_with_bert():
         table.setdefault("bert_impl", list(table["bert"]))
