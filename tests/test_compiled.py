@@ -187,6 +187,8 @@ STEP_ASIDE = {
     "attention maps": lambda model, inputs: model(**inputs, output_attentions=True),
     "inputs_embeds": lambda model, inputs: model(inputs_embeds=model.embeddings.word_embeddings(inputs["input_ids"])),
     "one token": lambda model, inputs: model(input_ids=inputs["input_ids"][:, :1]),
+    "padding in float32": lambda model, inputs: model(input_ids=inputs["input_ids"], attention_mask=torch.tensor(
+        [[1] * 9, [1] * 9, [1] * 5 + [0] * 4])),
     "positions of a packed row": lambda model, inputs: model(
         input_ids=inputs["input_ids"][:1], position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])),
     "cu_seq_lens": lambda model, inputs: model(
@@ -361,8 +363,25 @@ def test_bad_ids_are_named_and_the_program_still_serves(packages, encoder_state)
             model(input_ids=ids, attention_mask=torch.full_like(ids, 2))
         got = model(input_ids=ids)
         expected = eager(model, input_ids=ids)
-    assert len(calls) == 3  # the two the program refused (the eager path named them) and the good one
+    assert len(calls) == 1  # the good one: the program never sees an id out of range (the eager path names it)
     assert_same_outputs(got, expected)
+
+
+def test_a_failure_of_the_program_reaches_the_caller(packages, encoder_state):
+    """The program is run only where it answers (`program_inputs`), so an error from it is the caller's to see, never
+    taken as a reason to run the eager path instead."""
+    model = compiled("BertImplModel", packages, encoder_state)
+    encoder = model.base_model.compiled_encoder
+
+    def failing(args):
+        raise RuntimeError("the program failed")
+
+    encoder.run, run = failing, encoder.run
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="the program failed"):
+            model(input_ids=random_ids(2, seed=7))
+    finally:
+        encoder.run = run
 
 
 def test_packages_are_reused_and_never_written_over(packages, encoder_state, tmp_path):

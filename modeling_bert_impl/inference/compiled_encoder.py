@@ -7,7 +7,8 @@ length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor int
 the weights frozen in oneDNN's layout (on an AVX2 CPU: in the panels of our own product and attention kernels,
 avx2_gemm.py, faster there than oneDNN's and SDPA), the small operations fused into loops, no Python between them.
 The inference model it returns (a copy of the model given, with `optimize_for_inference`'s packed weights and fused
-layers: frozen_model.py) runs that program wherever the result is the same (`CompiledEncoder.__call__`): a batch without
+layers: frozen_model.py) runs that program wherever the result is the same (`program_inputs`, the one place that
+decides): a batch without
 padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8 model a padded one too, as
 the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into groups padded to their
 longest, one run per group, so that the products skip nearly all the padding. The heads run on its outputs as before,
@@ -140,28 +141,72 @@ class CompiledBertImplModel(InferenceModule, BertImplModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 output_attentions=None, output_hidden_states=None, cu_seq_lens_q=None, seq_idx=None,
                 label_checks=None, return_dict=None, **kwargs):
-        if self.program_may_run(inputs_embeds, output_attentions, output_hidden_states, cu_seq_lens_q, seq_idx,
-                                label_checks, kwargs):
-            out = self.compiled_encoder(input_ids, attention_mask, token_type_ids, position_ids)
-            if out is not None:
-                return out if config_default(return_dict, self.config.return_dict) else out.to_tuple()
+        inputs = self.program_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                     output_attentions, output_hidden_states, cu_seq_lens_q, seq_idx, label_checks,
+                                     kwargs)
+        if inputs is not None:
+            out = model_output(*self.compiled_encoder(*inputs))  # the pooled output where the model pools
+            return out if config_default(return_dict, self.config.return_dict) else out.to_tuple()
         if return_dict is not None:
             kwargs["return_dict"] = return_dict
         return super().forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                                cu_seq_lens_q=cu_seq_lens_q, seq_idx=seq_idx, label_checks=label_checks, **kwargs)
 
-    def program_may_run(self, inputs_embeds, output_attentions, output_hidden_states, cu_seq_lens_q, seq_idx,
-                        label_checks, kwargs) -> bool:
-        """ids (not embeddings) of an unpacked batch, no outputs the program does not give, no labels to check (the
-        eager path names bad ones), and the modules as compiled (float32 on CPU, no hooks, none replaced)."""
-        weight = self.embeddings.word_embeddings.weight
-        return (self.compiled_encoder is not None and inputs_embeds is None
-                and weight.dtype == torch.float32 and weight.device.type == "cpu"
-                and not config_default(output_attentions, self.config.output_attentions)
-                and not config_default(output_hidden_states, self.config.output_hidden_states)
-                and cu_seq_lens_q is None and seq_idx is None and not label_checks and not kwargs
-                and self.program_tree.unchanged())
+    # Written for few Python steps (tensors made once per shape): after the program has streamed the weights through
+    # the caches, every Python step runs several times slower than in a loop.
+    def program_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
+                       output_hidden_states, cu_seq_lens_q, seq_idx, label_checks, kwargs) -> tuple | None:
+        """Where the program computes what the model would: its inputs, the ids, token types and positions, each (B, T)
+        int64, and the batch's real tokens (B, T) bool, None without padding. Elsewhere None, and the eager path
+        (`optimize_for_inference`'s) runs. Every reason for None is decided here, one test each."""
+        encoder, weight = self.compiled_encoder, self.embeddings.word_embeddings.weight
+        if encoder is None or not untraced():  # set aside, or traced or autocast
+            return None
+        if inputs_embeds is not None or cu_seq_lens_q is not None or seq_idx is not None or kwargs:
+            return None  # embeddings, a packed batch, or an argument the program does not take (a cache, ...)
+        if (config_default(output_attentions, self.config.output_attentions) or label_checks
+                or config_default(output_hidden_states, self.config.output_hidden_states)):
+            return None  # outputs the program does not give; labels, which the eager path checks and names
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not self.program_tree.unchanged():
+            return None  # the modules not as compiled: converted, moved, hooked, replaced, in training mode
+        if input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu":
+            return None
+        B, T = input_ids.shape
+        if not 2 <= T <= encoder.max_length or B * T > encoder.max_tokens:
+            return None  # a length the program does not take, or more tokens than where it is faster (`token_limit`)
+        positions, zeros, ones = encoder.constants(B, T)
+        given = [(input_ids, self.config.vocab_size)]
+        if position_ids is None:
+            position_ids = positions
+        elif attention_mask is None and B == 1:
+            return None  # positions that restart would make it a packed batch: the eager path decides
+        else:
+            given.append((position_ids, self.config.max_position_embeddings))
+            if position_ids.shape != (B, T):
+                position_ids = position_ids.expand(B, T).contiguous() if position_ids.shape == (1, T) else None
+        if token_type_ids is None:
+            token_type_ids = zeros
+        else:
+            given.append((token_type_ids, self.config.type_vocab_size))
+        ids = (input_ids, token_type_ids, position_ids)
+        if position_ids is None or token_type_ids.shape != (B, T) or not all(map(CPU_INT64, ids)):
+            return None
+        mask = attention_mask
+        if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"):
+            return None
+        real = None
+        if mask is not None and not torch.equal(mask, ones if mask.dtype == torch.int64 else ones.to(mask.dtype)):
+            if not encoder.padded_batches:
+                return None  # float32's padded batches: the eager path is as fast
+            real = mask != 0  # (B, T)
+            if not torch.equal(mask, real.to(mask.dtype)) or not real.any(-1).all():
+                return None  # a mask value the eager path refuses, or a row of padding only
+        # an id outside its table: the eager path names it (the program would fail its own check)
+        bounds = torch.stack([torch.stack(torch.aminmax(t)) for t, _ in given]).tolist()  # one read
+        if any(low < 0 or high >= size for (low, high), (_, size) in zip(bounds, given)):
+            return None
+        return ids, real
 
 
 @functools.cache
@@ -322,9 +367,8 @@ OUTPUT_FIELDS = dict.fromkeys(BaseModelOutputWithPooling.__dataclass_fields__)  
 
 class CompiledEncoder:
     """The compiled program, called by CompiledBertImplModel in place of its own forward where it computes the same
-    (`__call__`). Values out of range (ids, token types, positions) fail the program's own check (which prints it), and
-    the call goes to the eager path, which names them. A copy of the model shares it (the weights it was compiled
-    from are fixed)."""
+    (`CompiledBertImplModel.program_inputs`). A copy of the model shares it (the weights it was compiled from are
+    fixed)."""
 
     def __init__(self, runner, base: BertImplModel):
         self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
@@ -338,41 +382,10 @@ class CompiledEncoder:
     def __deepcopy__(self, memo):
         return self
 
-    # Each call's checks are written for few Python steps (tensors made once per shape): after the program has
-    # streamed the weights through the caches, every Python step runs several times slower than in a loop.
-    def __call__(self, input_ids, attention_mask, token_type_ids, position_ids) -> BaseModelOutputWithPooling | None:
-        """The model's output: last hidden state (B, T, H) and, where the model pools, pooled output (B, H); None where
-        the program may not stand in for the model."""
-        if input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu" or not untraced():
-            return None
-        B, T = input_ids.shape
-        if not 2 <= T <= self.max_length or B * T > self.max_tokens:
-            return None
-        positions, zeros, ones = self.constants(B, T)
-        if position_ids is None:
-            position_ids = positions
-        elif attention_mask is None and B == 1:
-            return None  # positions that restart would make it a packed batch: the eager path decides
-        elif position_ids.shape != (B, T):
-            position_ids = position_ids.expand(B, T).contiguous() if position_ids.shape == (1, T) else None
-        if token_type_ids is None:
-            token_type_ids = zeros
-        ids = (input_ids, token_type_ids, position_ids)
-        if position_ids is None or token_type_ids.shape != (B, T) or not all(map(CPU_INT64, ids)):
-            return None
-        mask = attention_mask
-        if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"):
-            return None
-        if mask is None or torch.equal(mask, ones if mask.dtype == torch.int64 else ones.to(mask.dtype)):
-            outputs = self.dense(ids, ones)
-        elif not self.padded_batches:
-            return None
-        else:
-            real = mask != 0  # (B, T)
-            if not torch.equal(mask, real.to(mask.dtype)) or not real.any(-1).all():
-                return None  # a mask value the eager path refuses, or a row of padding only: the eager path
-            outputs = self.padded(ids, real)
-        return None if outputs is None else model_output(*outputs)  # the pooled output where the model pools
+    def __call__(self, ids: tuple[torch.Tensor, ...], real: torch.Tensor | None) -> list[torch.Tensor]:
+        """The model's outputs on `program_inputs`' inputs: last hidden state (B, T, H) and, where the model pools,
+        pooled output (B, H)."""
+        return self.dense(ids, self.constants(*ids[0].shape)[2]) if real is None else self.padded(ids, real)
 
     def constants(self, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Position ids, token type ids and an attention mask where none are given (and a mask without padding
@@ -385,29 +398,21 @@ class CompiledEncoder:
             found = self.by_shape[B, T] = positions, torch.zeros_like(positions), torch.ones_like(positions)
         return found
 
-    def program(self, input_ids, token_type_ids, position_ids, mask) -> list | None:
-        """The program on (B, T) inputs; None where it may not answer (its range check failed)."""
-        try:
-            return self.run([input_ids.contiguous(), mask, token_type_ids.contiguous(), position_ids.contiguous()])
-        except RuntimeError:  # its range check of the ids failed: the eager path says which
-            return None
+    def program(self, input_ids, token_type_ids, position_ids, mask) -> list:
+        """The program on (B, T) inputs."""
+        return self.run([input_ids.contiguous(), mask, token_type_ids.contiguous(), position_ids.contiguous()])
 
-    def dense(self, ids: tuple[torch.Tensor, ...], ones: torch.Tensor) -> list | None:
+    def dense(self, ids: tuple[torch.Tensor, ...], ones: torch.Tensor) -> list:
         """A batch without padding (B, T): the program on groups of `group_size(T)` sequences, as the eager path runs
         the layers (`fused_encoder`: each product's inputs and outputs stay in the cache), the outputs concatenated."""
         B, T = ones.shape
         group = group_size(T)
         if B <= group:
             return self.program(*ids, ones)
-        parts = []
-        for i in range(0, B, group):
-            outputs = self.program(*(t[i:i + group] for t in ids), ones[i:i + group])
-            if outputs is None:  # no group runs after one the program refused
-                return None
-            parts.append(outputs)
+        parts = [self.program(*(t[i:i + group] for t in ids), ones[i:i + group]) for i in range(0, B, group)]
         return [torch.cat(outputs) for outputs in zip(*parts)]
 
-    def padded(self, ids: tuple[torch.Tensor, ...], real: torch.Tensor) -> list | None:
+    def padded(self, ids: tuple[torch.Tensor, ...], real: torch.Tensor) -> list:
         """A padded batch (B, T), `real` its tokens, by groups: the sequences, sorted by length, cut into groups padded
         to their longest (the encoder's CPU layout, bert_padding.py), the program run on each group (s_g, T_g), the
         outputs put back in place, zeros at padding, as the eager path gives them."""
@@ -420,8 +425,6 @@ class CompiledEncoder:
         for s, t, _ in layout.attention.shapes:
             group = slice(start, start + s * t)
             outputs = self.program(*(r[group].view(s, t) for r in rows), rows_real[group].view(s, t))
-            if outputs is None:
-                return None
             hidden.append(outputs[0].flatten(0, 1))  # (s_g * T_g, H)
             pooled += outputs[1:]  # (s_g, H) where the model pools: each sequence's first row is its first token
             first.append(torch.arange(start, start + s * t, t))  # (s_g,) the rows that start a sequence
