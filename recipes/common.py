@@ -213,12 +213,15 @@ def record(trainer: Trainer, split: str, metrics: dict) -> None:
     trainer.save_metrics(split, metrics)
 
 
-def finish(trainer: Trainer, model_args: ModelArguments, metrics: dict, script: str, argv: list[str] | None = None,
-           dataset: str | None = None, dataset_config: str | None = None) -> None:
-    """After the run: push to the Hub if asked, and write the model card (README.md: the model, `metrics`, the command
-    line, secrets redacted) into --output_dir, on the main process only. Without the project's model_card module the card is skipped
-    with a warning."""
+def finish(trainer: Trainer, model_args: ModelArguments, data_args: DataArguments, metrics: dict, script: str,
+           argv: list[str] | None = None) -> None:
+    """After a run that trained (--do_train; nothing otherwise): push to the Hub if asked, and write the model card
+    (README.md: the model, `metrics`, the data set, the command line, secrets redacted) into --output_dir, on the main
+    process only. Without the project's model_card module the card is skipped with a warning."""
     args = trainer.args
+    if not args.do_train:
+        return
+    dataset, dataset_config = data_args.dataset_name, data_args.dataset_config_name
     if args.push_to_hub:
         trainer.push_to_hub()  # uploads transformers' generic card; ours replaces it below
     if not trainer.is_world_process_zero():

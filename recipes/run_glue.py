@@ -238,9 +238,7 @@ def main(argv: list[str] | None = None) -> Trainer:
                     f.write("index\tprediction\n")
                     for i, p in enumerate(predictions):
                         f.write(f"{i}\t{p:.3f}\n" if is_regression else f"{i}\t{labels[p]}\n")
-    if training_args.do_train:
-        common.finish(trainer, model_args, metrics, __file__, argv,
-                      dataset=data_args.dataset_name, dataset_config=data_args.dataset_config_name)
+    common.finish(trainer, model_args, data_args, metrics, __file__, argv)
     return trainer
 
 

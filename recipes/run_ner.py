@@ -234,9 +234,7 @@ def run(model_args: common.ModelArguments, data_args: DataArguments, training_ar
             predicted, _ = word_level(output.predictions, output.label_ids)
             with open(os.path.join(training_args.output_dir, "predictions.txt"), "w") as f:
                 f.writelines(" ".join(row) + "\n" for row in predicted)
-    if training_args.do_train:
-        common.finish(trainer, model_args, metrics, script, argv,
-                      dataset=data_args.dataset_name, dataset_config=data_args.dataset_config_name)
+    common.finish(trainer, model_args, data_args, metrics, script, argv)
     return trainer
 
 

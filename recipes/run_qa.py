@@ -266,9 +266,7 @@ def main(argv: list[str] | None = None) -> Trainer:
         if any(a["text"] for a in test_examples["answers"]):  # answers given: score them
             predict_metrics = {f"predict_{k}": v for k, v in score(test_examples, predictions, null_odds).items()}
             common.record(trainer, "predict", predict_metrics)
-    if training_args.do_train:
-        common.finish(trainer, model_args, metrics, __file__, argv,
-                      dataset=data_args.dataset_name, dataset_config=data_args.dataset_config_name)
+    common.finish(trainer, model_args, data_args, metrics, __file__, argv)
     return trainer
 
 

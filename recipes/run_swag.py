@@ -118,9 +118,7 @@ def main(argv: list[str] | None = None) -> Trainer:
             with open(os.path.join(training_args.output_dir, "predict_results.txt"), "w") as f:
                 f.write("index\tprediction\n")
                 f.writelines(f"{i}\t{p}\n" for i, p in enumerate(np.argmax(logits, axis=-1)))
-    if training_args.do_train:
-        common.finish(trainer, model_args, metrics, __file__, argv,
-                      dataset=data_args.dataset_name, dataset_config=data_args.dataset_config_name)
+    common.finish(trainer, model_args, data_args, metrics, __file__, argv)
     return trainer
 
 

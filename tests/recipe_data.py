@@ -32,6 +32,16 @@ def write_tsv(path, header, rows):
         f.writelines("\t".join(map(str, row)) + "\n" for row in rows)
 
 
+def sst2_files(folder, seed: int, train: int, dev: int) -> tuple:
+    """SST-2's TSV layout (sentence, label): train.tsv and dev.tsv of `train` and `dev` sentiment rows in `folder`;
+    their paths."""
+    rows = sentiment_rows(random.Random(seed), train + dev)
+    paths = folder / "train.tsv", folder / "dev.tsv"
+    for path, part in zip(paths, (rows[:train], rows[train:])):
+        write_tsv(path, ["sentence", "label"], part)
+    return paths
+
+
 PEOPLE = ["John", "Mary", "Peter", "Anna", "David", "Laura", "Michael", "Sarah", "James", "Emma", "Robert", "Linda"]
 SURNAMES = ["Smith", "Brown", "Miller", "Wilson", "Taylor", "Clark"]
 CITIES = ["Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "Vienna", "Dublin", "Oslo", "Lisbon", "Cairo"]

@@ -34,7 +34,7 @@ import run_ner  # noqa: E402
 import run_qa  # noqa: E402
 import run_swag  # noqa: E402
 from recipe_data import (  # noqa: E402
-    FILLER, RECIPE_FLAGS, ner_sentence, sentiment_rows, squad_article, swag_rows, write_conll, write_csv, write_tsv,
+    FILLER, RECIPE_FLAGS, ner_sentence, sentiment_rows, squad_article, sst2_files, swag_rows, write_conll, write_csv,
 )
 
 
@@ -95,9 +95,7 @@ def test_read_squad_nested_and_flat_files_agree(tmp_path):
 
 @pytest.mark.slow
 def test_run_glue_sst2_tsv(minilm_dir, tmp_path):
-    rows = sentiment_rows(random.Random(0), 112)
-    write_tsv(tmp_path / "train.tsv", ["sentence", "label"], rows[:64])
-    write_tsv(tmp_path / "dev.tsv", ["sentence", "label"], rows[64:])
+    sst2_files(tmp_path, seed=0, train=64, dev=48)
     out = tmp_path / "out"
     trainer = run(run_glue, minilm_dir, out, "--task_name", "sst2", "--train_file", tmp_path / "train.tsv",
                   "--validation_file", tmp_path / "dev.tsv", "--max_seq_length", 32, "--learning_rate", 3e-4,
@@ -216,11 +214,8 @@ def test_run_swag_csv(minilm_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun")
-@pytest.mark.slow
 def test_run_glue_under_torchrun(minilm_dir, tmp_path):
-    rows = sentiment_rows(random.Random(2), 64)
-    write_tsv(tmp_path / "train.tsv", ["sentence", "label"], rows[:48])
-    write_tsv(tmp_path / "dev.tsv", ["sentence", "label"], rows[48:])
+    sst2_files(tmp_path, seed=2, train=48, dev=16)
     out = tmp_path / "out"
     command = ["torchrun", "--standalone", "--nproc_per_node", "2", str(RECIPES / "run_glue.py"), "--model_name_or_path", minilm_dir, "--output_dir", str(out),
                "--train_file", str(tmp_path / "train.tsv"), "--validation_file", str(tmp_path / "dev.tsv"),
