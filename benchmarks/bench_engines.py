@@ -65,6 +65,7 @@ The fine-tuning step: forward + backward + AdamW of a sequence classifier (`Bert
 """
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -94,13 +95,13 @@ from modeling_bert_impl import (  # noqa: E402
     optimize_for_inference,
     quantize_for_inference,
 )
-from modeling_bert_impl.inference.packed_linear import cpu_bf16_units  # noqa: E402
+from modeling_bert_impl.inference import cpu_bf16_units  # noqa: E402
 
 CLS, SEP = 101, 102
 THREADS = 2
 ENGINES = ["transformers", "bert-impl", "bert-impl optimized", "bert-impl optimized bf16", "transformers bf16",
-           "bert-impl compiled", "bert-impl int8", "bert-impl int8 compiled", "ORT", "ORT int8", "CTranslate2",
-           "OpenVINO", "OpenVINO bf16", "transformers + compile", "bert-impl + compile"]
+           "OpenVINO bf16", "bert-impl compiled", "bert-impl int8", "bert-impl int8 compiled", "ORT", "ORT int8",
+           "CTranslate2", "OpenVINO", "transformers + compile", "bert-impl + compile"]
 ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
 
 
@@ -168,6 +169,19 @@ def bf16(name: str, build):
         print(f"  {name}: skipped, this CPU has neither AMX nor AVX512-BF16")
         return None
     return build()
+
+
+def bf16_builders(model_dir: str, ours) -> dict:
+    """The bfloat16 engines' builders, each skipped with a line where the CPU has no bfloat16 units; `ours` the
+    bert-impl model they are made from."""
+    return {
+        "bert-impl optimized bf16": lambda: bf16("bert-impl optimized bf16", lambda: torch_engine(
+            optimize_for_inference(ours, dtype=torch.bfloat16))),
+        "transformers bf16": lambda: bf16("transformers bf16", lambda: torch_engine(
+            BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval().to(torch.bfloat16))),
+        "OpenVINO bf16": lambda: bf16("OpenVINO bf16", lambda: optional("OpenVINO bf16", "openvino",
+                                                                        lambda: openvino_engine(model_dir, "bf16"))),
+    }
 
 
 def numpy_inputs(batch: dict) -> dict:
@@ -299,21 +313,14 @@ def optional(name: str, package: str, build):
 def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
     ref = BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
     ours = BertImplModel.from_pretrained(model_dir).eval()  # the default path; the engines' models are made from it
-    int8 = {}  # the int8 model, made once for both int8 rows (tokenizing the calibration text on first use)
-
-    def int8_of_ours():
-        if not int8:
-            int8["model"] = quantize_for_inference(ours, text_batches(model_dir, calibration_texts()))
-        return int8["model"]
+    # the int8 model, made once for both int8 rows (tokenizing the calibration text on first use)
+    int8_of_ours = functools.cache(lambda: quantize_for_inference(ours, text_batches(model_dir, calibration_texts())))
 
     builders = {
         "transformers": lambda: torch_engine(ref),
         "bert-impl": lambda: torch_engine(ours),
         "bert-impl optimized": lambda: torch_engine(optimize_for_inference(ours)),
-        "bert-impl optimized bf16": lambda: bf16("bert-impl optimized bf16", lambda: torch_engine(
-            optimize_for_inference(ours, dtype=torch.bfloat16))),
-        "transformers bf16": lambda: bf16("transformers bf16", lambda: torch_engine(
-            BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval().to(torch.bfloat16))),
+        **bf16_builders(model_dir, ours),
         "bert-impl compiled": lambda: torch_engine(compile_for_inference(ours, os.path.join(workdir, "bert_impl.pt2"))),
         "bert-impl int8": lambda: torch_engine(int8_of_ours()),
         "bert-impl int8 compiled": lambda: torch_engine(compile_for_inference(
@@ -322,8 +329,6 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
         "ORT int8": lambda: optional("ORT int8", "onnxruntime", lambda: ort_engine(model_dir, workdir, int8=True)),
         "CTranslate2": lambda: optional("CTranslate2", "ctranslate2", lambda: ct2_engine(model_dir, workdir)),
         "OpenVINO": lambda: optional("OpenVINO", "openvino", lambda: openvino_engine(model_dir)),
-        "OpenVINO bf16": lambda: bf16("OpenVINO bf16", lambda: optional("OpenVINO bf16", "openvino",
-                                                                        lambda: openvino_engine(model_dir, "bf16"))),
         "transformers + compile": lambda: torch_engine(torch.compile(ref)),
         "bert-impl + compile": lambda: torch_engine(torch.compile(BertImplModel.from_pretrained(model_dir).eval())),
     }
@@ -464,12 +469,8 @@ def reduced_precision_accuracy(model_dir: str, workdir: str, classifier_dir: str
     batches = text_batches(model_dir, evaluation_texts())
     calibration = text_batches(model_dir, calibration_texts())
     reference = torch_engine(BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval())
-    ours, int8 = BertImplModel.from_pretrained(model_dir).eval(), {}
-
-    def int8_of_ours():
-        if not int8:
-            int8["model"] = int8_model(BertImplModel, model_dir, calibration)
-        return int8["model"]
+    ours = BertImplModel.from_pretrained(model_dir).eval()
+    int8_of_ours = functools.cache(lambda: int8_model(BertImplModel, model_dir, calibration))  # made once, if asked
 
     engines = {}
     builders = {"bert-impl": lambda: torch_engine(ours),
@@ -479,12 +480,7 @@ def reduced_precision_accuracy(model_dir: str, workdir: str, classifier_dir: str
                 "ORT": lambda: optional("ORT", "onnxruntime", lambda: ort_engine(model_dir, workdir)),
                 "ORT int8": lambda: optional("ORT int8", "onnxruntime",
                                              lambda: ort_engine(model_dir, workdir, int8=True)),
-                "bert-impl optimized bf16": lambda: bf16("bert-impl optimized bf16", lambda: torch_engine(
-                  optimize_for_inference(ours, dtype=torch.bfloat16))),
-                "transformers bf16": lambda: bf16("transformers bf16", lambda: torch_engine(
-                  BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval().to(torch.bfloat16))),
-                "OpenVINO bf16": lambda: bf16("OpenVINO bf16", lambda: optional(
-                  "OpenVINO bf16", "openvino", lambda: openvino_engine(model_dir, "bf16")))}
+                **bf16_builders(model_dir, ours)}
     for name, build in builders.items():
         engine = None if name in skip else build()
         if engine is not None:
