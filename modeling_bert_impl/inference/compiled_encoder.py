@@ -8,12 +8,12 @@ the weights frozen in oneDNN's layout (on an AVX2 CPU: in the panels of our own 
 avx2_gemm.py, faster there than oneDNN's and SDPA), the small operations fused into loops, no Python between them.
 The inference model it returns (a copy of the model given, with `optimize_for_inference`'s packed weights and fused
 layers: frozen_model.py) runs that program wherever the result is the same (`program_inputs`, the one place that
-decides): a batch without
-padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8 model a padded one too, as
-the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into groups padded to their
-longest, one run per group, so that the products skip nearly all the padding. The heads run on its outputs as before,
-and everything else (float32's padded batches, whose eager path is as fast; hidden states or attention maps asked for,
-packed batches, inputs that need gradients, hooks or replaced modules) stays the eager path, `optimize_for_inference`'s.
+decides): a batch without padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8
+model a padded one too, as the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into
+groups padded to their longest, one run per group, so that the products skip nearly all the padding. The heads run on
+its outputs as before, and everything else (float32's padded batches, whose eager path is as fast; hidden states or
+attention maps asked for, packed batches, inputs that need gradients, hooks or replaced modules) stays the eager path,
+`optimize_for_inference`'s.
 An int8 model (`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program on a
 CPU with AVX-512 VNNI (`INT8_CONFIGS`), our int8 kernel on an AVX2 CPU (avx2_gemm.py), oneDNN's elsewhere: the program
 computes `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's

@@ -64,12 +64,12 @@ class LayerProducts(NamedTuple):
     down: Callable
 
 
-def packed_products(layer: nn.Module) -> LayerProducts:
-    """The products of a layer whose linear layers are PackedLinear (packed_linear.py), query, key and value
-    concatenated and packed once."""
+def packed_products(layer: nn.Module, dtype: torch.dtype = torch.float32) -> LayerProducts:
+    """The products of a layer whose linear layers are PackedLinear (packed_linear.py) packed in `dtype`, query, key
+    and value concatenated and packed once in it too."""
     (qkv, _), *others = layer_sites(layer)
     weight, bias = joined(qkv)  # (3H, H), (3H,)
-    packed = PackedProduct(pack(weight, qkv[0].packed.packed.value.dtype), bias)
+    packed = PackedProduct(pack(weight, dtype), bias)
     return LayerProducts(packed, *(PackedProduct(m.packed.packed, m.bias) for (m,), _ in others))
 
 

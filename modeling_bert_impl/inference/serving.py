@@ -61,7 +61,7 @@ def optimize_copy(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Mo
     pack_linears(model, dtype)
     encoder = getattr(base_of(model), "encoder", None)
     if encoder is not None and all(map(packed_layer, encoder.layer)):
-        fuse_encoder(encoder, [packed_products(layer) for layer in encoder.layer])
+        fuse_encoder(encoder, [packed_products(layer, dtype) for layer in encoder.layer])
     return model
 
 
