@@ -46,6 +46,7 @@ version in use here, for the lead to carry (DIR/minilm is picked up through BERT
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -196,14 +197,24 @@ def prepare(folder: Path) -> None:
     print(f"{folder}: {size:.0f} MiB; carry it (git-ignored) and run: python benchmarks/gpu_check.py")
 
 
-def bf16_command(part: str, out: Path, env: dict) -> list[str] | str:
-    """The command of a bf16_* part (the host CPU's bfloat16), or why it does not run."""
+@functools.cache
+def bf16_host() -> tuple[str | None, bool, str]:
+    """The host CPU's bfloat16 units (None: neither AMX nor AVX512-BF16, or the probe failed), whether `datasets` is
+    installed, and the probe's output: asked once a run, in a Python of the machine's."""
     code, output, _ = run([sys.executable, "-c", "from modeling_bert_impl.inference import cpu_bf16_units; "
                            "import importlib.util; print(importlib.util.find_spec('datasets') is not None); "
-                           "print(cpu_bf16_units())"], 60, env)
-    if code != 0 or output.strip().splitlines()[-1] == "None":
-        return f"not run: this CPU has neither AMX nor AVX512-BF16 ({output.strip()[-300:]})"
-    has_datasets = output.strip().splitlines()[-2] == "True"
+                           "print(cpu_bf16_units())"], 60)
+    lines = output.strip().splitlines()
+    if code != 0 or len(lines) < 2 or lines[-1] == "None":
+        return None, False, output.strip()[-300:]
+    return lines[-1], lines[-2] == "True", output.strip()[-300:]
+
+
+def bf16_command(part: str, out: Path, env: dict) -> list[str] | str:
+    """The command of a bf16_* part (the host CPU's bfloat16), or why it does not run."""
+    units, has_datasets, probed = bf16_host()
+    if units is None:
+        return f"not run: this CPU has neither AMX nor AVX512-BF16 ({probed})"
     if part in ("bf16_recipe", "bf16_ttq") and not has_datasets:
         return "not run: `datasets` is not installed (the recipes read their data with it)"
     tokenizer = ["--tokenizer", env["BERT_IMPL_MINILM_DIR"]] if "BERT_IMPL_MINILM_DIR" in env else []

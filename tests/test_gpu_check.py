@@ -57,6 +57,7 @@ def test_the_bf16_parts_run_where_the_cpu_has_bf16_units_and_say_why_not_elsewhe
     """Each bf16_* part: "not run" naming the missing units on a CPU without them; where it has them, its command, and
     "not run" naming `datasets` for the recipe parts where that is missing."""
     def probe(has_datasets, units):
+        gpu_check.bf16_host.cache_clear()  # the host is probed once a run: this test gives it three hosts
         return lambda command, timeout, env=None: (0, f"{has_datasets}\n{units}\n", 0.1)
 
     bf16_parts = [part for part in gpu_check.PARTS if part.startswith("bf16_")]
@@ -69,3 +70,4 @@ def test_the_bf16_parts_run_where_the_cpu_has_bf16_units_and_say_why_not_elsewhe
     monkeypatch.setattr(gpu_check, "run", probe(False, "AMX"))
     assert gpu_check.part_command("bf16_ttq", "cuda", tmp_path, {}).startswith("not run: `datasets` is not installed")
     assert "tests/test_pretraining.py" not in gpu_check.part_command("bf16_tests", "cuda", tmp_path, {})
+    gpu_check.bf16_host.cache_clear()
