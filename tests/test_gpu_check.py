@@ -1,7 +1,10 @@
 """The GPU check's logic on the CPU: the MFU numerator against torch's own FLOP counter, and `gpu_check.py
 --device cpu` end to end on its 2-process DDP part (gloo), results file included."""
 
+import os
+import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -70,4 +73,28 @@ def test_the_bf16_parts_run_where_the_cpu_has_bf16_units_and_say_why_not_elsewhe
     monkeypatch.setattr(gpu_check, "run", probe(False, "AMX"))
     assert gpu_check.part_command("bf16_ttq", "cuda", tmp_path, {}).startswith("not run: `datasets` is not installed")
     assert "tests/test_pretraining.py" not in gpu_check.part_command("bf16_tests", "cuda", tmp_path, {})
+    gpu_check.bf16_host.cache_clear()
+
+
+def test_a_carried_datasets_archive_is_unpacked_onto_the_parts_pythonpath(tmp_path, monkeypatch):
+    """--prepare-datasets' archive, carried beside the wheels, is unpacked once, and the folder it gives is what the
+    bf16 probe (and so the recipe parts) import `datasets` from."""
+    assert gpu_check.carried_site(tmp_path) is None
+    package = tmp_path / "build" / "datasets-site" / "carried_probe"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("WHERE = 'carried'\n")
+    with tarfile.open(tmp_path / gpu_check.DATASETS_SITE, "w:xz") as tar:
+        tar.add(package.parent, arcname="datasets-site")
+    site = gpu_check.carried_site(tmp_path)
+    assert site == tmp_path / "datasets-site"
+    probe = subprocess.run([sys.executable, "-c", "import carried_probe; print(carried_probe.WHERE)"],
+                           env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "carried"
+
+    seen = []
+    monkeypatch.setattr(gpu_check, "run", lambda command, timeout, env=None: seen.append(env) or (0, "True\nAMX\n", 0))
+    gpu_check.bf16_host.cache_clear()
+    assert gpu_check.part_command("bf16_recipe", "cuda", tmp_path, {"PYTHONPATH": f"{site}"})[1].endswith(
+        "bench_pretraining_recipe.py")
+    assert seen == [{"PYTHONPATH": str(site)}]
     gpu_check.bf16_host.cache_clear()
