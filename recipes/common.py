@@ -104,7 +104,8 @@ def precision(training_args: TrainingArguments) -> str:
         return "bfloat16 autocast" if training_args.bf16 else "fp16 autocast" if training_args.fp16 else "float32"
     units = cpu_bf16_units()
     if training_args.bf16:
-        return (f"bfloat16 autocast on the CPU's {units}" if units else "bfloat16 autocast on a CPU without AMX or "
+        return (f"bfloat16 autocast on the CPU's {units} (--bf16 false for float32)" if units else
+                "bfloat16 autocast on a CPU without AMX or "
                 "AVX512-BF16: its bfloat16 products run slower than float32 ones (--bf16 false for float32)")
     return f"float32 (--bf16 for bfloat16 autocast on the CPU's {units})" if units else "float32"
 

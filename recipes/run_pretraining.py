@@ -5,8 +5,10 @@ RoBERTa, MosaicBERT, Cramming and ModernBERT train), optionally in length phases
 within a wall-clock budget (`--time_budget 2h`).
 
 Every `TrainingArguments` flag works (`--bf16`, `--gradient_checkpointing`, `--resume_from_checkpoint`,
-`--push_to_hub`, `--report_to`, ...), and the script runs as is under `torchrun` and `accelerate launch`. The first log
-lines say the precision, and on a CPU with AMX or AVX512-BF16 that `--bf16` would use them.
+`--push_to_hub`, `--report_to`, ...), and the script runs as is under `torchrun` and `accelerate launch`. On a CPU with
+AMX or AVX512-BF16 it trains in bfloat16 autocast unless told a precision (`--bf16 false` for float32): there it
+reached float32's held-out accuracy in less time (benchmarks/NOTES.md, "bfloat16 as the pre-training recipe's
+default on the CPU"). The first log lines say the precision.
 See recipes/PRETRAINING.md for the paper's recipe and the modern one side by side. As in the fine-tuning recipes
 (`checkpoints.py`), an --output_dir holding an earlier run is refused without --overwrite_output_dir, checkpoints are
 written all-or-nothing, and `--resume_from_checkpoint last` takes the newest complete one.
@@ -24,6 +26,7 @@ eval_nsp_accuracy).
 import copy
 import dataclasses
 import glob
+import json
 import logging
 import math
 import os
@@ -31,6 +34,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -952,11 +956,23 @@ def parse_args(argv: list[str] | None = None):
     the checkpoint to resume."""
     parser = HfArgumentParser((ModelArguments, DataTrainingArguments, RunArguments, common.RecipeTrainingArguments))
     if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        given = {f"--{key}" for key in json.loads(Path(sys.argv[1]).read_text())}
         parsed = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
     else:
+        given = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else map(str, argv))}
         parsed = parser.parse_args_into_dataclasses(args=argv)
+    default_precision(parsed[-1], given=bool(given & {"--bf16", "--fp16"}))
     checkpoints.prepare_run(parsed[-1])
     return parsed
+
+
+def default_precision(training_args: TrainingArguments, given: bool) -> None:
+    """bfloat16 autocast where training runs on a CPU with bfloat16 units (AMX, AVX512-BF16) and no precision was
+    given (`--bf16`, `--fp16`, either true or false, or accelerate's --mixed_precision)."""
+    if given or "ACCELERATE_MIXED_PRECISION" in os.environ or common.cpu_bf16_units() is None:
+        return
+    if training_args.device.type == "cpu":
+        training_args.bf16, training_args.mixed_precision = True, "bf16"  # what TrainingArguments sets from --bf16
 
 
 def setup_logging(training_args: TrainingArguments) -> None:

@@ -387,20 +387,28 @@ def test_pretraining_reduces_the_loss_and_saves_an_auto_loadable_model(minilm_di
 
 
 @pytest.mark.parametrize("units", [None, "AMX"], ids=["cpu_without_bf16_units", "cpu_with_amx"])
-def test_the_first_log_lines_name_the_precision_and_the_cpus_bf16_units(minilm_dir, corpus_file, tmp_path, monkeypatch,
-                                                                        units, caplog):
-    """float32 unless --bf16; where the CPU has AMX or AVX512-BF16 the log names them, where it has neither, --bf16
-    is run as asked and the log says it is slower there than float32."""
+def test_the_precision_is_bf16_by_default_on_a_cpu_with_bf16_units_and_the_first_log_lines_name_it(
+        minilm_dir, corpus_file, tmp_path, monkeypatch, units, caplog):
+    """Pre-training defaults to bfloat16 autocast on a CPU with AMX or AVX512-BF16 and to float32 elsewhere; --bf16
+    (true or false) and accelerate's --mixed_precision are kept as given. The log names the precision, the units, and
+    where there are none that --bf16 runs slower than float32."""
     monkeypatch.setattr(run_pretraining.common, "cpu_bf16_units", lambda: units)
     flags = [*PRETRAINING_FLAGS, "--tokenizer_name", minilm_dir, "--train_file", corpus_file, "--do_train"]
-    for given, expected in ([], False), (["--bf16", "false"], False), (["--bf16", "true"], True):
-        training_args = run_pretraining.parse_args([*flags, *given, "--output_dir", str(tmp_path / str(given))])[-1]
-        assert training_args.bf16 is expected, given
+    cases = [([], units is not None, {}), (["--bf16", "false"], False, {}), (["--bf16=true"], True, {}),
+             ([], False, {"ACCELERATE_MIXED_PRECISION": "no"})]
+    for run, (given, expected, environ) in enumerate(cases):
+        with monkeypatch.context() as patch:
+            for name, value in environ.items():
+                patch.setenv(name, value)
+            training_args = run_pretraining.parse_args([*flags, *given, "--output_dir", str(tmp_path / str(run))])[-1]
+        assert training_args.bf16 is expected and training_args.mixed_precision == ("bf16" if expected else "no"), given
         with caplog.at_level("WARNING"):
             run_pretraining.common.setup_logging(training_args)
         said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("precision: ")][-1]
-        if expected:
-            assert said.startswith("precision: bfloat16 autocast") and (units or "slower than float32") in said
+        if expected and units:
+            assert said == f"precision: bfloat16 autocast on the CPU's {units} (--bf16 false for float32)"
+        elif expected:
+            assert said.startswith("precision: bfloat16 autocast on a CPU without") and "slower than float32" in said
         else:
             assert said == ("precision: float32" + (f" (--bf16 for bfloat16 autocast on the CPU's {units})" if units
                                                     else ""))
