@@ -289,16 +289,20 @@ def test_changing_the_model_never_changes_the_compiled_model(packages, encoder_s
         assert (changed - before).abs().max() > 1e-4
 
 
-def test_a_weight_of_the_compiled_model_changed_in_place_is_refused_at_the_next_call(packages, encoder_state):
-    """The compiled model's own norm bias changed in place after its first answer: its next call is refused, naming
-    the weight (test_serving.py has each kind of change, on the other engines)."""
+@pytest.mark.parametrize("name, change", [
+    ("bert.encoder.layer.0.attention.output.LayerNorm.bias", lambda t: t.add_(0.1)),
+    ("bert.encoder.layer.1.output.dense.weight", lambda t: t.data[3:5].mul_(1.5)),
+], ids=["a norm's bias", "a product's weight, through .data"])
+def test_a_weight_of_the_compiled_model_changed_in_place_is_refused_at_the_next_call(packages, encoder_state, name,
+                                                                                     change):
+    """The compiled model's own weight changed in place after its first answer (through the tensor, or its `.data`):
+    its next call is refused, naming the weight (test_serving.py has each kind of change, on the other engines)."""
     model = compiled("BertImplForSequenceClassification", packages, encoder_state)
     inputs = {"input_ids": random_ids(2, seed=6)}
     with torch.no_grad():
         model(**inputs)
-        model.bert.encoder.layer[0].attention.output.LayerNorm.bias.add_(0.1)
-        refusal = ("`bert.encoder.layer.0.attention.output.LayerNorm.bias` was changed in place after "
-                   "compile_for_inference made this inference model")
+        change(model.get_parameter(name))
+        refusal = f"`{name}` was changed in place after compile_for_inference made this inference model"
         with pytest.raises(ValueError, match=re.escape(refusal)):
             model(**inputs)
 

@@ -157,19 +157,25 @@ def test_changing_the_model_never_changes_its_inference_model(minilm_dir, update
     assert torch.equal(optimized.get_parameter(name), original)
 
 
-EDITS = {  # a weight of an inference model changed in place (name, how), refused at the next call
+EDITS = {  # a weight of an inference model changed in place (name, how), refused at the next call; {weight}: a
+    # product's weight (the int8 model's is weight_int8)
     "a norm's bias": ("bert.encoder.layer.1.output.LayerNorm.bias", lambda t: t.add_(0.1)),
     "a product's bias": ("bert.encoder.layer.0.intermediate.dense.bias", lambda t: t.mul_(2)),
     "the embeddings, a new .data": ("bert.embeddings.word_embeddings.weight", lambda t: setattr(t, "data", t * 2)),
     "the classifier, copy_": ("classifier.weight", lambda t: t.copy_(torch.zeros_like(t))),
+    "a product's weight, through .data": ("bert.encoder.layer.1.attention.self.query.{weight}",
+                                          lambda t: t.data.mul_(2)),
+    "a norm's weight, rows through .data": ("bert.encoder.layer.0.output.LayerNorm.weight",
+                                            lambda t: t.data[3:5].fill_(0.5)),
+    "the position ids, through .data": ("bert.embeddings.position_ids", lambda t: t.data[:, 1:].sub_(1)),
 }
 
 
 @pytest.mark.parametrize("edit", EDITS)
 @pytest.mark.parametrize("engine", ["optimize_for_inference", "quantize_for_inference"])
 def test_a_weight_changed_in_place_is_refused_at_the_next_call(engine, edit):
-    """An inference model whose own weight (a parameter, or an int8 model's buffer) was changed in place after it was
-    made refuses its next call with a ValueError naming the weight and what to do; a copy of it (copy.deepcopy) keeps
+    """An inference model whose own weight (a parameter, or an int8 model's buffer; through the tensor or its `.data`)
+    was changed in place after it was made refuses its next call with a ValueError naming the weight and what to do; a copy of it (copy.deepcopy) keeps
     refusing; the model it was made from, unchanged, gives the inference model's first answers again."""
     torch.manual_seed(0)
     model = bi.BertImplForSequenceClassification(bi.BertImplConfig(**SMALL)).eval()
@@ -177,6 +183,7 @@ def test_a_weight_changed_in_place_is_refused_at_the_next_call(engine, edit):
     inference = bi.optimize_for_inference(model) if engine == "optimize_for_inference" else \
         bi.quantize_for_inference(model, [inputs])
     name, change = EDITS[edit]
+    name = name.format(weight="weight" if engine == "optimize_for_inference" else "weight_int8")
     with torch.no_grad():
         before = inference(**inputs).logits
         change(dict([*inference.named_parameters(), *inference.named_buffers()])[name])

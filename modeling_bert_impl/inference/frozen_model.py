@@ -77,12 +77,16 @@ def inference_class(cls: type) -> type:
 def inference_copy(model: nn.Module, engine: str) -> nn.Module:
     """A copy of `model` made an inference model by the function `engine`: eval mode, no parameter needing gradients,
     every transformers model in it (the head and its base model) refusing training (`InferenceModule`), and every
-    module refusing a state dict that holds its weights (`refuse_loads`). oneDNN's caches are bounded first
+    module refusing a state dict that holds its weights (`refuse_loads`); an inference model's fixed tensors plain again
+    until `fix_weights`. oneDNN's caches are bounded first
     (`bound_onednn_caches`)."""
     bound_onednn_caches(engine)
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
     for module in frozen.modules():
         module.made_by = engine  # named by the refusals, of the modules that get them now or later
+        for tensor in itertools.chain(module._parameters.values(), module._buffers.values()):
+            if type(tensor) in (FixedParameter, FixedBuffer):  # an inference model's (an int8 model compiled): plain
+                tensor.__class__ = type(tensor).__bases__[0]  # again while the engine builds (tracing takes no subclass)
         refuse_loads(module, engine)
         if isinstance(module, PreTrainedModel):
             module.__class__ = inference_class(type(module))
@@ -91,9 +95,41 @@ def inference_copy(model: nn.Module, engine: str) -> nn.Module:
 
 def fix_weights(model: nn.Module) -> nn.Module:
     """`model`, an engine's finished inference model, refusing a call once a weight was changed in place
-    (`WeightsFixed`)."""
+    (`WeightsFixed`), through `.data` too (`FixedParameter`, `FixedBuffer`)."""
+    for module in model.modules():
+        for tensors, fixed in ((module._parameters, FixedParameter), (module._buffers, FixedBuffer)):
+            for tensor in tensors.values():
+                if type(tensor) in fixed.__bases__:
+                    tensor.__class__ = fixed  # the same object: what holds it (hooks, ModuleTree, user code) still does
     model.weights_fixed = WeightsFixed.of(model)
     return model
+
+
+def data_shares_the_version() -> property:
+    """`.data` as `detach()`: the same storage, and the same version counter, so that an in-place change through it
+    (`p.data.mul_(2)`, `p.data[3] = 0`) is counted as one through the tensor is (torch's `.data` counts none).
+    Setting `.data` works as on any tensor."""
+    return property(torch.Tensor.detach, torch.Tensor.data.__set__)
+
+
+class FixedParameter(nn.Parameter):
+    """A parameter of an inference model: an `nn.Parameter` whose `.data` is counted (`data_shares_the_version`)."""
+
+    data = data_shares_the_version()
+
+
+class FixedBuffer(torch.Tensor):
+    """A buffer of an inference model: a plain tensor whose `.data` is counted (`data_shares_the_version`); torch's
+    functions see a tensor (no `__torch_function__` step), and their results are plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    data = data_shares_the_version()
+
+    def __deepcopy__(self, memo):
+        copied = self.as_subclass(torch.Tensor).clone()
+        copied.__class__ = FixedBuffer
+        memo[id(self)] = copied
+        return copied
 
 
 class WeightsFixed:
@@ -101,10 +137,10 @@ class WeightsFixed:
     Changing one in place since (through the tensor under no_grad, as an optimizer step, `copy_` or `fill_` do; a new
     `.data` of the same dtype) changes them: `changed()` names it. A new dtype (`.double()`) is not a change here: the
     fast paths step aside for it and every answer comes from the converted weights. A parameter replaced by another
-    object is not either: the fast paths step aside for it too (`ModuleTree`). Not seen: an in-place change through
-    `.data` (`p.data.mul_(2)`), for which torch counts no version, and one to a tensor made under
-    torch.inference_mode() (which counts none either) inside that mode. A copy of the model (`copy.deepcopy`) starts
-    from its weights then, and keeps a change found before."""
+    object is not either: the fast paths step aside for it too (`ModuleTree`). A change through `.data`
+    (`p.data.mul_(2)`) is counted: the engine's tensors are `FixedParameter`s and `FixedBuffer`s. Not seen: a change
+    to a tensor made under torch.inference_mode() (which counts no version) inside that mode. A copy of the model
+    (`copy.deepcopy`) starts from its weights then, and keeps a change found before."""
 
     def __init__(self, names: list[str], tensors: list, found: str | None = None):
         self.names, self.tensors, self.found = names, tensors, found
