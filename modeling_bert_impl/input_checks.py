@@ -39,24 +39,26 @@ class ValueCheck(NamedTuple):
 
 
 class BatchFacts(NamedTuple):
-    """What the encoder's forward needs to know about a batch; None where only the host could say (eager reads them,
-    a traced graph does not)."""
+    """What the host read about a batch with its checks; None where only the host could say (eager reads them, a
+    traced graph does not). Which layout runs is `choose_path`'s (paths.py)."""
 
-    packed: bool  # sequences concatenated in one row (DataCollatorWithFlattening)
-    padded: bool | None  # the attention mask has padding (None: traced with a mask, the host cannot say)
-    unpaddable: bool  # padded or packed, so the unpadded encoder has work to skip
+    marked: bool  # cu_seq_lens_q or seq_idx given: packing markers that need no read
+    packable: bool  # marked, or one row of position_ids without a mask (packed where they restart)
+    padding: bool | None  # the attention mask has padding (None: traced with a mask and no markers; no one can say)
     nnz: int | None  # real tokens
     max_seqlen: int | None  # the longest sequence
-    num_sequences: int | None  # S of a packed batch
+    num_sequences: int | None  # S found by the packing markers (1 where none mark sequences)
 
 
 def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
                  cu_seq_lens_k, seq_idx, label_checks=()) -> tuple[int, int, BatchFacts]:
     """Validate the encoder's inputs (and a head's `label_checks`). Returns B, T and the facts about the batch.
-    Eager: every value check and fact in one host-device transfer. Traced: one runtime assert, facts None."""
+    Eager: every value check and fact in one host-device transfer. Traced: one runtime assert, facts None. It chooses
+    nothing: `choose_path` does, from these facts."""
     B, T = _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                          cu_seq_lens_q, cu_seq_lens_k, seq_idx)
     marked = cu_seq_lens_q is not None or seq_idx is not None
+    packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
     checks = _value_checks(config, input_ids, attention_mask, token_type_ids, position_ids, cu_seq_lens_q,
                            cu_seq_lens_k, marked, T) + list(label_checks)
 
@@ -68,22 +70,14 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
             low, high = (values.new_tensor([c[i] for c in checks]) for i in (1, 2))
             torch._assert_async(((values >= low) & (values <= high)).all(),
                                 "bert-impl: an input value is out of range; run the model eagerly for which")
-        # Packing needs its markers: under export only cu_seq_lens_q / seq_idx count (the exported graph stays free
-        # of data-dependent shapes); under torch.compile also position_ids with B = 1 (one sequence when they do not
-        # restart: the same result as unpacked).
-        packed = marked or (
-            B == 1 and attention_mask is None and position_ids is not None and not torch.compiler.is_exporting()
-        )
-        padded = None if attention_mask is not None and not packed else False
-        unpaddable = (packed or padded is None) and not torch.compiler.is_exporting()
-        return B, T, BatchFacts(packed, padded, unpaddable, None, None, None)
+        return B, T, BatchFacts(marked, packable, None if attention_mask is not None and not marked else False, None,
+                                None, None)
 
     # Eager: the batch's own statistics in the same read.
     facts = []
     if attention_mask is not None:
         real = attention_mask != 0
         facts += [real.sum(), real.sum(-1).max()]  # real tokens, longest sequence
-    packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
     if packable and cu_seq_lens_q is not None:
         cu = cu_seq_lens_q
         facts += [cu.new_tensor(cu.shape[0] - 1), (cu[1:] - cu[:-1]).max()]  # sequences, longest sequence
@@ -103,15 +97,11 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
             raise ValueError(check.message.format(int(value) if value.is_integer() else value))
 
     nnz, max_seqlen = facts[:2] if attention_mask is not None else (B * T, T)
-    num_sequences, packed = None, marked
-    if packable:
-        num_sequences, packed_max = facts[-2:]
-        packed = marked or num_sequences > 1
-        if packed:
-            max_seqlen = packed_max
-    # A batch of padding only runs padded: nothing to unpad.
-    padded = nnz < B * T
-    return B, T, BatchFacts(packed, padded, (packed or padded) and nnz > 0, nnz, max_seqlen, num_sequences)
+    num_sequences, packed_max = facts[-2:] if packable else (1, None)
+    if marked or num_sequences > 1:  # the longest sequence is the longest packed one
+        max_seqlen = packed_max
+    # bool(): under TorchScript's tracer B and T are tensors, and the path compares `padding` with False by identity
+    return B, T, BatchFacts(marked, packable, bool(nnz < B * T), nnz, max_seqlen, num_sequences)
 
 
 def split_cache_mask(attention_mask, cache_length: int, input_ids, inputs_embeds) -> tuple:

@@ -9,7 +9,8 @@ layer on the (P, H) rows of real tokens, attention per sequence, and re-pads the
 looks inside the encoder sees stock's (B, T, H) tensors all the same: a call where a hook of the user's sits on a
 module of the encoder, or a submodule was replaced by a class of the user's, runs the padded layout
 (`looking_inside`). `config.unpad_inputs=True` keeps the padding-free layout even then (hooks see the (P, H) rows),
-`False` always runs the padded one. The embeddings always return stock's (B, T, H).
+`False` always runs the padded one. The embeddings always return stock's (B, T, H). One function chooses the layout
+of a call (paths.py, `choose_path`), from what the input checks read (input_checks.py).
 """
 
 import functools
@@ -58,6 +59,7 @@ from .input_checks import (
     require_tracing_torch,
     split_cache_mask,
 )
+from .paths import choose_path
 from .stock_format import old_names_conversion, stock_name, write_stock_config
 
 logger = logging.get_logger(__name__)
@@ -586,57 +588,38 @@ class BertImplModel(BertImplPreTrainedModel):
         cache = config_default(cache, past_key_values)
         C = cache.get_seq_length() if cache is not None else 0  # cached keys ahead of the tokens (prefix tuning)
         attention_mask, cache_checks = split_cache_mask(attention_mask, C, input_ids, inputs_embeds)  # (B, T)
-        B, T, batch = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+        B, T, facts = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                    cu_seq_lens_q, cu_seq_lens_k, seq_idx, [*cache_checks, *(label_checks or ())])
-        packs = (cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, batch.num_sequences)
-                 if batch.packed else None)  # (S + 1,)
+        path = choose_path(self.config, facts, self.embeddings.word_embeddings.weight.device, output_attentions, C,
+                           functools.partial(looking_inside, self.encoder))
+        packs = (cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, facts.num_sequences)
+                 if path.packed else None)  # (S + 1,)
         if packs is not None and position_ids is None:
             position_ids = packed_position_ids(packs, T)  # (1, T)
 
         x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds, cache_length=C)  # (B, T, H)
-        layout = self._unpadded_layout(x, attention_mask, packs, batch, max_length_q, output_attentions, C)
+        layout = UnpaddedLayout.build(attention_mask, packs, (B, T), facts.nnz, facts.max_seqlen or max_length_q,
+                                      x.dtype, x.device, bucketed=path.bucketed) if path.unpadded else None
         implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
-        mask = None if layout is not None else self._padded_attention_mask(
-            x, attention_mask, packs, implementation, batch.padded, C)
-        padded_stream = layout is None and attention_mask is not None and batch.padded is not False  # None: traced
+        mask = None if path.unpadded else self._padded_attention_mask(
+            x, attention_mask, packs, implementation, path.padded, C)
+        padded_stream = not path.unpadded and attention_mask is not None and path.padded is not False  # None: traced
         padding = (attention_mask == 0).unsqueeze(-1) if padded_stream else None  # (B, T, 1)
         encoded = self.encoder(x, mask, layout=layout, padding=padding, output_hidden_states=output_hidden_states,
                                output_attentions=output_attentions, cache=cache)
         last = encoded.last_hidden_state  # (B, T, H)
-        cls = self._first_tokens(last, attention_mask, packs, batch)  # (S, 1, H) or (B, T, H)
+        cls = self._first_tokens(last, attention_mask, packs, path.padded)  # (S, 1, H) or (B, T, H)
         pooled = self.pooler(cls) if self.pooler is not None else None
         return BaseModelOutputWithPooling(last_hidden_state=last, pooler_output=pooled,
                                           hidden_states=encoded.hidden_states)
 
-    def _unpadded_layout(self, x, attention_mask, packs, batch, max_length_q, output_attentions,
-                         cache_length: int) -> UnpaddedLayout | None:
-        """The padding-free layout of the batch, or None where the padded path runs: no padding to skip, the `eager`
-        attention or attention maps asked for (maps exist on the padded path only), cached keys to attend,
-        `config.unpad_inputs=False`, or (unless it is True) code of the user's looking inside the encoder."""
-        if not (batch.unpaddable and self.config.unpad_inputs is not False and not output_attentions
-                and not cache_length and self.config._attn_implementation != "eager"):
-            return None
-        if self.config.unpad_inputs is None and (observer := looking_inside(self.encoder)):
-            if not torch.compiler.is_compiling():  # a traced program cannot log; the eager call before it did
-                logger.warning_once(
-                    f"{observer}: calls with padding run the padded layout, so that it sees stock BERT's (B, T, H) "
-                    "tensors; set config.unpad_inputs=True to keep the padding-free layout (hooks then see the (P, H) "
-                    "rows of real tokens)")
-            return None
-        return UnpaddedLayout.build(
-            attention_mask, packs, x.shape[:2], batch.nnz, batch.max_seqlen or max_length_q, x.dtype, x.device,
-            # CPU: the bucketed layout; when training under torch.compile, the exact one (the bucketed attention is
-            # then an opaque op without a backward)
-            bucketed=x.device.type == "cpu" and not (torch.compiler.is_compiling() and torch.is_grad_enabled()),
-        )
-
     @staticmethod
-    def _first_tokens(last, attention_mask, packs, batch):
+    def _first_tokens(last, attention_mask, packs, padded: bool | None):
         """What the pooler reads: each sequence's first real token ([CLS]), (S, 1, H); a row of padding only gives its
         first position (zeros). last: (B, T, H)."""
         if packs is not None:
             return last[0, packs[:-1].long()][:, None]  # (S, 1, H)
-        if attention_mask is None or batch.padded is False:  # padded None: traced, the mask decides
+        if attention_mask is None or padded is False:  # padded None: traced, the mask decides
             return last
         first = (attention_mask != 0).int().argmax(-1)  # (B,)
         return last[torch.arange(last.shape[0], device=last.device), first][:, None]  # (B, 1, H)

@@ -652,9 +652,15 @@ def decision_points(function) -> int:
 
 
 def test_the_encoder_forward_reads_like_transformers():
-    """BertModel.forward stays plain: at most 15 decision points (transformers' own has about 10)."""
+    """BertModel.forward stays plain: at most 15 decision points (transformers' own has about 10), and so does the one
+    function that chooses its layout (paths.choose_path); the input checks choose nothing."""
+    from modeling_bert_impl import input_checks, paths
+
     forward = inspect.unwrap(bi.BertImplModel.forward)
     assert decision_points(forward) <= 15, decision_points(forward)
+    assert decision_points(paths.choose_path) <= 15, decision_points(paths.choose_path)
+    assert set(input_checks.BatchFacts._fields) == {"marked", "packable", "padding", "nnz", "max_seqlen",
+                                                    "num_sequences"}  # what was read, no layout
     assert decision_points(lambda x: x if x and x > 1 else [y for y in x if y]) == 3  # the counter counts
 
 

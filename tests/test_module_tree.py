@@ -324,7 +324,7 @@ def test_hooks_inside_the_encoder_see_the_padded_layout_unless_unpad_inputs_is_t
     shapes = {}
     hook = lambda m, args, out: shapes.setdefault(key, []).append((tuple(args[0].shape), tuple(out.shape)))  # noqa
     model.bert.encoder.layer[2].register_forward_hook(hook)
-    logger = transformers.logging.get_logger(bi.modeling_bert_impl.__name__)
+    logger = transformers.logging.get_logger(bi.paths.__name__)
     logger.warning_once.cache_clear()
     for key, inputs, unpad in (("padded", padded, None), ("padded, again", padded, None),
                                ("padded, unpad_inputs=False", padded, False),
