@@ -49,5 +49,6 @@ def say_padded_for(observer: str | None, compiling: bool) -> None:
     call before it did)."""
     if observer is not None and not compiling:
         logger.warning_once(
-            f"{observer}: calls with padding run the padded layout, so that it sees stock BERT's (B, T, H) tensors; set "
-            "config.unpad_inputs=True to keep the padding-free layout (hooks then see the (P, H) rows of real tokens)")
+            f"{observer}: calls with padding run the padded layout, so that it sees stock BERT's (B, T, H) tensors; "
+            "set config.unpad_inputs=True to keep the padding-free layout (hooks then see the (P, H) rows of real "
+            "tokens)")

@@ -175,8 +175,9 @@ EDITS = {  # a weight of an inference model changed in place (name, how), refuse
 @pytest.mark.parametrize("engine", ["optimize_for_inference", "quantize_for_inference"])
 def test_a_weight_changed_in_place_is_refused_at_the_next_call(engine, edit):
     """An inference model whose own weight (a parameter, or an int8 model's buffer; through the tensor or its `.data`)
-    was changed in place after it was made refuses its next call with a ValueError naming the weight and what to do; a copy of it (copy.deepcopy) keeps
-    refusing; the model it was made from, unchanged, gives the inference model's first answers again."""
+    was changed in place after it was made refuses its next call with a ValueError naming the weight and what to do; a
+    copy of it (copy.deepcopy) keeps refusing; the model it was made from, unchanged, gives the inference model's first
+    answers again."""
     torch.manual_seed(0)
     model = bi.BertImplForSequenceClassification(bi.BertImplConfig(**SMALL)).eval()
     inputs = {"input_ids": torch.randint(1, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))}

@@ -77,16 +77,14 @@ def inference_class(cls: type) -> type:
 def inference_copy(model: nn.Module, engine: str) -> nn.Module:
     """A copy of `model` made an inference model by the function `engine`: eval mode, no parameter needing gradients,
     every transformers model in it (the head and its base model) refusing training (`InferenceModule`), and every
-    module refusing a state dict that holds its weights (`refuse_loads`); an inference model's fixed tensors plain again
-    until `fix_weights`. oneDNN's caches are bounded first
-    (`bound_onednn_caches`)."""
+    module refusing a state dict that holds its weights (`refuse_loads`). The fixed tensors of an inference model given
+    (an int8 model compiled) are plain again until `fix_weights`: tracing takes no subclass. oneDNN's caches are bounded
+    first (`bound_onednn_caches`)."""
     bound_onednn_caches(engine)
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    recast(frozen, PLAIN)
     for module in frozen.modules():
         module.made_by = engine  # named by the refusals, of the modules that get them now or later
-        for tensor in itertools.chain(module._parameters.values(), module._buffers.values()):
-            if type(tensor) in (FixedParameter, FixedBuffer):  # an inference model's (an int8 model compiled): plain
-                tensor.__class__ = type(tensor).__bases__[0]  # again while the engine builds (tracing takes no subclass)
         refuse_loads(module, engine)
         if isinstance(module, PreTrainedModel):
             module.__class__ = inference_class(type(module))
@@ -96,13 +94,18 @@ def inference_copy(model: nn.Module, engine: str) -> nn.Module:
 def fix_weights(model: nn.Module) -> nn.Module:
     """`model`, an engine's finished inference model, refusing a call once a weight was changed in place
     (`WeightsFixed`), through `.data` too (`FixedParameter`, `FixedBuffer`)."""
-    for module in model.modules():
-        for tensors, fixed in ((module._parameters, FixedParameter), (module._buffers, FixedBuffer)):
-            for tensor in tensors.values():
-                if type(tensor) in fixed.__bases__:
-                    tensor.__class__ = fixed  # the same object: what holds it (hooks, ModuleTree, user code) still does
+    recast(model, FIXED)
     model.weights_fixed = WeightsFixed.of(model)
     return model
+
+
+def recast(model: nn.Module, classes: dict) -> None:
+    """Each parameter and buffer of `model` whose class is a key of `classes` given the class it maps to, in place:
+    the same objects, so what holds them (hooks, `ModuleTree`, the user's code) still does."""
+    for module in model.modules():
+        for tensor in itertools.chain(module._parameters.values(), module._buffers.values()):
+            if type(tensor) in classes:
+                tensor.__class__ = classes[type(tensor)]
 
 
 def data_shares_the_version() -> property:
@@ -130,6 +133,10 @@ class FixedBuffer(torch.Tensor):
         copied.__class__ = FixedBuffer
         memo[id(self)] = copied
         return copied
+
+
+FIXED = {nn.Parameter: FixedParameter, torch.Tensor: FixedBuffer}  # the tensors' classes in a finished inference model
+PLAIN = {fixed: plain for plain, fixed in FIXED.items()}
 
 
 class WeightsFixed:
