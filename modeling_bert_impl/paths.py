@@ -30,7 +30,8 @@ def choose_path(config, facts: BatchFacts, device: torch.device, output_attentio
     `unpad_inputs` None, `looking_inside()` names code of the user's that must see stock's (B, T, H) tensors (said once
     in the log). Bucketed on the CPU, except when training under torch.compile (the bucketed attention is then an
     opaque op without a backward). A batch of padding only runs padded: nothing to unpad."""
-    compiling, exporting = torch.compiler.is_compiling(), torch.compiler.is_exporting()
+    compiling = torch.compiler.is_compiling()
+    exporting = compiling and torch.compiler.is_exporting()  # asked only when tracing: torch 2.6 has no is_exporting
     if compiling:  # nothing was read: the markers decide, and under torch.compile a row of position_ids
         packed, work = facts.marked or (facts.packable and not exporting), not exporting
     else:
