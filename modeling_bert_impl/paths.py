@@ -31,8 +31,8 @@ def choose_path(config, facts: BatchFacts, device: torch.device, output_attentio
     in the log). Bucketed on the CPU, except when training under torch.compile (the bucketed attention is then an
     opaque op without a backward). A batch of padding only runs padded: nothing to unpad."""
     compiling = torch.compiler.is_compiling()
-    exporting = compiling and torch.compiler.is_exporting()  # asked only when tracing: torch 2.6 has no is_exporting
     if compiling:  # nothing was read: the markers decide, and under torch.compile a row of position_ids
+        exporting = torch.compiler.is_exporting()  # asked only when tracing: torch 2.6 has no is_exporting
         packed, work = facts.marked or (facts.packable and not exporting), not exporting
     else:
         packed, work = facts.marked or facts.num_sequences > 1, facts.nnz > 0

@@ -2,6 +2,7 @@
 a Python that cannot import this project (what a stranger with only transformers installed has)."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,6 +31,22 @@ except ModuleNotFoundError:
 else:
     raise SystemExit("the project package is still importable")
 """
+
+
+@pytest.fixture(autouse=True)
+def _logging_levels_restored():
+    """Each test starts at the logging levels the one before it found: recipes run in-process set the root logger's
+    and transformers' levels (`setup_logging`), and a test that reads a warning or a progress bar must not depend on
+    which tests ran before it in the same process (pytest-xdist orders them differently)."""
+    import datasets
+    import transformers
+
+    root = logging.getLogger()
+    saved = root.level, transformers.logging.get_verbosity(), datasets.logging.get_verbosity()
+    yield
+    root.setLevel(saved[0])
+    transformers.logging.set_verbosity(saved[1])
+    datasets.logging.set_verbosity(saved[2])
 
 
 @pytest.fixture(scope="session")

@@ -132,9 +132,13 @@ def test_kernel_choice_on_this_machine():
 # ---------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def minilm(minilm_dir):
+    verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    ours = BertImplModel.from_pretrained(minilm_dir).eval()
-    stock = BertModel.from_pretrained(minilm_dir, attn_implementation="sdpa").eval()
+    try:
+        ours = BertImplModel.from_pretrained(minilm_dir).eval()
+        stock = BertModel.from_pretrained(minilm_dir, attn_implementation="sdpa").eval()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     return ours, stock
 
 
