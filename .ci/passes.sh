@@ -4,8 +4,9 @@
 PASS_ENVS="${PASS_ENVS:-$(mktemp -d)}"
 FAILED_PASSES=()
 
-new_env() {  # a new, empty virtual environment, activated (in the pass's subshell)
-    python3 -m venv "$PASS_ENVS/$1"
+new_env() {  # a new, empty virtual environment, activated (in the pass's subshell); VENV_OPTIONS: python3 -m venv's
+    # shellcheck disable=SC2086
+    python3 -m venv ${VENV_OPTIONS:-} "$PASS_ENVS/$1"
     # shellcheck disable=SC1091
     source "$PASS_ENVS/$1/bin/activate"
 }

@@ -12,6 +12,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":  # pytest -n: the workers share the cores, a thread each
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 PROJECT_PACKAGES = ("modeling_bert_impl", "tokenization", "recipes")
 
@@ -47,6 +52,43 @@ def _logging_levels_restored():
     root.setLevel(saved[0])
     transformers.logging.set_verbosity(saved[1])
     datasets.logging.set_verbosity(saved[2])
+
+
+# pytest -n with --dist loadfile sends each file's tests to one worker (its module fixtures built once); the files
+# named here go with another's, for a session fixture they both use.
+SHARED_WORKER = {"tests/test_avx2_gemm.py": "tests/test_compiled.py"}  # `small_packages` (compiles take 20-45 s)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedWorkerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_WORKER.get(scope, scope)
+
+    return SharedWorkerScheduling(config, log)
+
+
+@pytest.fixture(scope="session")
+def small_packages(tmp_path_factory) -> dict:
+    """Packages that `compile_for_inference` compiled from helpers.small_model(0) (the SMALL configuration, seed 0),
+    with its pooler (True) and without it (False): paths by `add_pooling_layer`. Compiling them again from a model of
+    the same weights loads them."""
+    import modeling_bert_impl as bi
+    from helpers import SMALL, small_model
+
+    folder = tmp_path_factory.mktemp("small_packages")
+    paths = {}
+    for pooler in (True, False):
+        model = bi.BertImplModel(bi.BertImplConfig(**SMALL), add_pooling_layer=pooler).eval()
+        model.load_state_dict(small_model(0).state_dict(), strict=False)
+        paths[pooler] = str(folder / f"pooler_{pooler}.pt2")
+        bi.compile_for_inference(model, paths[pooler])
+    return paths
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ the layers are put back after the trace; where the kernels cannot be built the p
 SDPA, and a package that needs them says so when they cannot be loaded.
 
 The kernels are AVX2 code: the module runs where the CPU has AVX2 (AVX-512 CPUs too, where the program would not choose
-them on its own), on Linux x86-64. Three compiles of a 2-layer model: 10-15 s each on 2 cores."""
+them on its own), on Linux x86-64. Two or three compiles of a 2-layer model (20-45 s each on 2 cores): on an AVX2 CPU
+the kernel's float32 package is conftest's `small_packages`."""
 
 import platform
 import sys
@@ -139,8 +140,12 @@ def test_a_query_that_keeps_no_key_gets_zeros(ops):
 
 
 @pytest.fixture(scope="module")
-def kernel_package(ops, tmp_path_factory):
-    """A package of the SMALL model compiled with the kernel's products."""
+def kernel_package(ops, tmp_path_factory, request):
+    """A package of the SMALL model compiled with the kernel's products: on an AVX2 CPU, where the kernel is chosen,
+    conftest's `small_packages` (test_compiled.py's too)."""
+    if avx2_gemm.chosen(small_model()):
+        path = request.getfixturevalue("small_packages")[True]
+        return bi.compile_for_inference(small_model(), path), path
     path = tmp_path_factory.mktemp("kernel") / "small.pt2"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(avx2_gemm, "supported", lambda: True)  # an AVX-512 CPU runs the AVX2 code too

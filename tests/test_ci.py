@@ -20,7 +20,8 @@ finish 3
 
 def test_a_failing_pass_lets_the_later_ones_run_and_fails_the_script(tmp_path):
     proc = subprocess.run(["bash", "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "PASS_ENVS": str(tmp_path / "envs")})
+                          env={"PATH": "/usr/bin:/bin", "PASS_ENVS": str(tmp_path / "envs"),
+                               "VENV_OPTIONS": "--without-pip"})  # no pass here installs: 5 s less a pass
     out = proc.stdout
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "step 1" in out and "never printed" not in out  # `set -e` inside a pass ends that pass
@@ -29,3 +30,16 @@ def test_a_failing_pass_lets_the_later_ones_run_and_fails_the_script(tmp_path):
     assert "== third: FAILED" in out
     assert out.strip().splitlines()[-1] == "== CI FAILED: first third (of 3 passes)"
     assert not (tmp_path / "envs").exists()  # environments deleted
+
+
+def test_the_first_pass_runs_the_readmes_test_command_verbatim():
+    """The README's test command (its fenced block after "Run the tests") stands in `.ci/run`'s first pass as written,
+    line for line."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("Run the tests", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    command = [line.strip() for line in block.strip().splitlines()]
+    assert "pytest" in command[-1] and len(command) >= 1
+    newest = (ROOT / ".ci" / "run").read_text().split("newest() {", 1)[1].split("\n}", 1)[0]
+    lines = [line.strip() for line in newest.splitlines()]
+    start = lines.index(command[0])
+    assert lines[start:start + len(command)] == command

@@ -7,8 +7,8 @@ never changes the compiled model's answers; training or saving the compiled mode
 never written over, and refused for other weights; damaged, cut off, empty and foreign files are refused by name before
 any of their code runs; bad ids are named as eagerly; in int8, a NaN in one row stays in that row.
 
-Each compile takes 13-20 s on 2 cores: the module compiles two packages of a 2-layer model (with a pooler and without)
-that every other test loads, and one of all-MiniLM-L6-v2."""
+Each compile takes 20-45 s on 2 cores: two packages of a 2-layer model (with a pooler and without, conftest's
+`small_packages`, shared with test_avx2_gemm.py) that most tests load, and one of all-MiniLM-L6-v2."""
 
 import copy
 import inspect
@@ -36,7 +36,7 @@ from modeling_bert_impl.inference.anatomy import encoder_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
-    HEADS, LAYOUTS, SMALL, assert_same_state, layout_inputs, model_state, needs_tracing, output_tensors,
+    HEADS, LAYOUTS, SMALL, assert_same_state, layout_inputs, model_state, needs_tracing, output_tensors, small_model,
 )
 
 pytestmark = needs_tracing
@@ -46,23 +46,21 @@ WITHOUT_POOLER = ("BertImplForMaskedLM", "BertImplForTokenClassification", "Bert
 
 @pytest.fixture(scope="module")
 def encoder_state():
-    torch.manual_seed(0)
-    return bi.BertImplModel(bi.BertImplConfig(**SMALL)).state_dict()
+    return small_model(0).state_dict()
 
 
 @pytest.fixture(scope="module")
-def packages(tmp_path_factory, encoder_state):
-    """A package compiled from the SMALL encoder's weights, with and without its pooler."""
-    folder = tmp_path_factory.mktemp("packages")
-    paths = {pooler: str(folder / f"pooler_{pooler}.pt2") for pooler in (True, False)}
-    for pooler, path in paths.items():
+def packages(small_packages, encoder_state):
+    """Packages compiled from the SMALL encoder's weights, with and without its pooler (conftest's `small_packages`,
+    which test_avx2_gemm.py loads too); compiling a model of those weights again loads them, and leaves it unchanged."""
+    for pooler, path in small_packages.items():
         model = bi.BertImplModel(bi.BertImplConfig(**SMALL), add_pooling_layer=pooler)
         model.load_state_dict(encoder_state, strict=False)
         state = model_state(model)
         compiled = bi.compile_for_inference(model, path)
         assert os.path.exists(path) and type(compiled) is CompiledBertImplModel
         assert_same_state(model, state)  # the model given is not changed
-    return paths
+    return small_packages
 
 
 def compiled(our_name: str, packages, encoder_state, **config):

@@ -511,18 +511,23 @@ def padded_and_packed_batches():
                     f">= 2.13 (installed: {torch.__version__}); its refusal: tests/test_torch_versions.py")
 def test_flex_attention_matches_sdpa_and_eager_on_the_padded_path():
     """flex_attention on CPU, fp32, padded path (unpad_inputs=False): a padded batch (right and left padding) and a
-    packed one (block-diagonal mask: each sequence alone)."""
+    packed one (block-diagonal mask: each sequence alone), against eager, sdpa and eager in float64 (the CPU's flex
+    check: tests/test_gpu.py runs flex on CUDA only, each CPU compile taking 25-45 s)."""
     torch.manual_seed(0)
     model = bi.BertImplModel(BertImplConfig(**SMALL, unpad_inputs=False)).eval()
     padded, packed, lengths = padded_and_packed_batches()
     outputs = {}
     with torch.no_grad():
+        model.set_attn_implementation("eager")
+        outputs["float64"] = (model.double()(**padded), model(**packed))
+        model.float()
         for implementation in ("eager", "sdpa", "flex_attention"):
             model.set_attn_implementation(implementation)
             outputs[implementation] = (model(**padded), model(**packed))
     assert model.config._attn_implementation == "flex_attention"
+    assert outputs["float64"][0].last_hidden_state.dtype == torch.float64
     mask = padded["attention_mask"]
-    for implementation in ("eager", "sdpa"):
+    for implementation in ("float64", "eager", "sdpa"):
         reference, got = outputs[implementation], outputs["flex_attention"]
         assert real_tokens_max_diff(reference[0].last_hidden_state, got[0].last_hidden_state, mask) < TOL
         assert (reference[0].pooler_output - got[0].pooler_output).abs().max() < TOL
