@@ -75,19 +75,23 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session")
 def small_packages(tmp_path_factory) -> dict:
-    """Packages that `compile_for_inference` compiled from helpers.small_model(0) (the SMALL configuration, seed 0),
-    with its pooler (True) and without it (False): paths by `add_pooling_layer`. Compiling them again from a model of
-    the same weights loads them."""
+    """Packages that `compile_for_inference` compiled from helpers.small_model(0)'s weights (the SMALL configuration,
+    seed 0), with its pooler (True) and without it (False): paths by `add_pooling_layer`; each compile returned a
+    CompiledBertImplModel and left the model given as it was. Compiling them again from a model of the same weights
+    loads them."""
     import modeling_bert_impl as bi
-    from helpers import SMALL, small_model
+    from helpers import SMALL, assert_same_state, model_state, small_model
+    from modeling_bert_impl.inference.compiled_encoder import CompiledBertImplModel
 
     folder = tmp_path_factory.mktemp("small_packages")
     paths = {}
     for pooler in (True, False):
-        model = bi.BertImplModel(bi.BertImplConfig(**SMALL), add_pooling_layer=pooler).eval()
+        model = bi.BertImplModel(bi.BertImplConfig(**SMALL), add_pooling_layer=pooler)
         model.load_state_dict(small_model(0).state_dict(), strict=False)
-        paths[pooler] = str(folder / f"pooler_{pooler}.pt2")
-        bi.compile_for_inference(model, paths[pooler])
+        paths[pooler], state = str(folder / f"pooler_{pooler}.pt2"), model_state(model)
+        compiled = bi.compile_for_inference(model, paths[pooler])
+        assert os.path.exists(paths[pooler]) and type(compiled) is CompiledBertImplModel
+        assert_same_state(model, state)  # the model given is not changed
     return paths
 
 

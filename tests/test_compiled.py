@@ -31,12 +31,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import modeling_bert_impl as bi
 from modeling_bert_impl.inference import avx2_gemm, compiled_encoder, fused_layers
-from modeling_bert_impl.inference.compiled_encoder import CompiledBertImplModel
 from modeling_bert_impl.inference.anatomy import encoder_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
-    HEADS, LAYOUTS, SMALL, assert_same_state, layout_inputs, model_state, needs_tracing, output_tensors, small_model,
+    HEADS, LAYOUTS, SMALL, layout_inputs, needs_tracing, output_tensors, small_model,
 )
 
 pytestmark = needs_tracing
@@ -50,16 +49,9 @@ def encoder_state():
 
 
 @pytest.fixture(scope="module")
-def packages(small_packages, encoder_state):
-    """Packages compiled from the SMALL encoder's weights, with and without its pooler (conftest's `small_packages`,
-    which test_avx2_gemm.py loads too); compiling a model of those weights again loads them, and leaves it unchanged."""
-    for pooler, path in small_packages.items():
-        model = bi.BertImplModel(bi.BertImplConfig(**SMALL), add_pooling_layer=pooler)
-        model.load_state_dict(encoder_state, strict=False)
-        state = model_state(model)
-        compiled = bi.compile_for_inference(model, path)
-        assert os.path.exists(path) and type(compiled) is CompiledBertImplModel
-        assert_same_state(model, state)  # the model given is not changed
+def packages(small_packages):
+    """Packages compiled from the SMALL encoder's weights (`encoder_state`), with and without its pooler: conftest's
+    `small_packages`, which test_avx2_gemm.py loads too."""
     return small_packages
 
 
