@@ -42,16 +42,13 @@ else:
 def _logging_levels_restored():
     """Each test starts at the logging levels the one before it found: recipes run in-process set the root logger's
     and transformers' levels (`setup_logging`), and a test that reads a warning or a progress bar must not depend on
-    which tests ran before it in the same process (pytest-xdist orders them differently)."""
-    import datasets
-    import transformers
-
-    root = logging.getLogger()
-    saved = root.level, transformers.logging.get_verbosity(), datasets.logging.get_verbosity()
+    which tests ran before it in the same process (pytest-xdist orders them differently). By logger name, so that
+    the GPU check's machines, which may lack `datasets`, run the tests too."""
+    loggers = [logging.getLogger(name) for name in ("", "transformers", "datasets")]
+    saved = [logger.level for logger in loggers]
     yield
-    root.setLevel(saved[0])
-    transformers.logging.set_verbosity(saved[1])
-    datasets.logging.set_verbosity(saved[2])
+    for logger, level in zip(loggers, saved):
+        logger.setLevel(level)
 
 
 # pytest -n with --dist loadfile sends each file's tests to one worker (its module fixtures built once); the files
