@@ -52,8 +52,8 @@ def _logging_levels_restored():
 
 
 # pytest -n with --dist loadfile sends each file's tests to one worker (its module fixtures built once); the files
-# named here go with another's, for a session fixture they both use.
-SHARED_WORKER = {"tests/test_avx2_gemm.py": "tests/test_compiled.py"}  # `small_packages` (compiles take 20-45 s)
+# named here go with another's, for the session fixtures they both use (the `small_*` packages: 20-45 s a compile).
+SHARED_WORKER = {"tests/test_avx2_gemm.py": "tests/test_compiled.py"}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -90,6 +90,36 @@ def small_packages(tmp_path_factory) -> dict:
         assert os.path.exists(paths[pooler]) and type(compiled) is CompiledBertImplModel
         assert_same_state(model, state)  # the model given is not changed
     return paths
+
+
+@pytest.fixture(scope="session")
+def small_int8_package(tmp_path_factory):
+    """helpers.small_model(0)'s weights, NAN_TOKEN's embedding NaN (a sequence holding it is a bad row), quantized
+    (`small_int8_model`, calibration seed 10) and compiled as this CPU chooses (on an AVX2 CPU without VNNI, through
+    the AVX2 kernels' qgemm): the compiled model and the package's path."""
+    import modeling_bert_impl as bi
+    from helpers import NAN_TOKEN, small_int8_model, small_model
+
+    state = small_model(0).state_dict()
+    state["embeddings.word_embeddings.weight"][NAN_TOKEN] = float("nan")
+    path = tmp_path_factory.mktemp("small_int8") / "int8.pt2"
+    return bi.compile_for_inference(small_int8_model(state, seed=10), path), path
+
+
+@pytest.fixture(scope="session")
+def small_lora_merged_package():
+    """helpers.small_model(0)'s weights with `small_lora` merged in (peft's merge_and_unload), compiled with the AVX2
+    kernels turned off (oneDNN's products, as where they cannot be built or the CPU has AVX-512): the compiled model."""
+    import modeling_bert_impl as bi
+    from helpers import small_lora, small_model
+    from modeling_bert_impl.inference import avx2_gemm
+
+    merged = small_lora(small_model(0)).merge_and_unload()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(avx2_gemm, "supported", lambda: True)
+        patch.setattr(avx2_gemm, "load", lambda: "turned off for this package")
+        assert not avx2_gemm.chosen(merged)
+        return bi.compile_for_inference(merged)
 
 
 @pytest.fixture(scope="session")

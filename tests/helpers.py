@@ -37,6 +37,31 @@ def small_model(seed: int = 0) -> bi.BertImplModel:
     return bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
 
 
+NAN_TOKEN = SMALL["vocab_size"] - 1  # a token no random batch of `small_ids` holds (conftest's `small_int8_package`)
+
+
+def small_ids(B: int, seed: int) -> torch.Tensor:  # (B, 9) token ids of the SMALL vocabulary, NAN_TOKEN left out
+    return torch.randint(1, NAN_TOKEN, (B, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def small_int8_model(state: dict, seed: int) -> bi.BertImplModel:
+    """The SMALL encoder of weights `state` quantized by `quantize_for_inference`, calibrated on 8 rows of
+    `small_ids` (the seed picks them)."""
+    model = bi.BertImplModel(bi.BertImplConfig(**SMALL))
+    model.load_state_dict(state)
+    return bi.quantize_for_inference(model, [{"input_ids": small_ids(8, seed)}])
+
+
+def small_lora(model: bi.BertImplModel):
+    """peft's LoRA on the query, value and dense layers of `model`, its weights random (seed 2), so that it changes
+    the outputs."""
+    import peft
+
+    torch.manual_seed(2)
+    return peft.get_peft_model(model, peft.LoraConfig(target_modules=["query", "value", "dense"],
+                                                       init_lora_weights=False))
+
+
 def make_inputs(head: str, config, generator):
     B, T, C = 3, 9, 2
     shape = (B, C, T) if head == "BertForMultipleChoice" else (B, T)

@@ -8,8 +8,9 @@ the layers are put back after the trace; where the kernels cannot be built the p
 SDPA, and a package that needs them says so when they cannot be loaded.
 
 The kernels are AVX2 code: the module runs where the CPU has AVX2 (AVX-512 CPUs too, where the program would not choose
-them on its own), on Linux x86-64. Two or three compiles of a 2-layer model (20-45 s each on 2 cores): on an AVX2 CPU
-the kernel's float32 package is conftest's `small_packages`."""
+them on its own), on Linux x86-64. Its programs are of a 2-layer model (20-45 s a compile on 2 cores), shared with
+test_compiled.py through conftest: `small_lora_merged_package` without the kernels, and on an AVX2 CPU `small_packages`
+and (without VNNI) `small_int8_package` with them; elsewhere it compiles those two itself."""
 
 import platform
 import sys
@@ -29,7 +30,7 @@ from modeling_bert_impl.inference.anatomy import encoder_linears
 from modeling_bert_impl.modeling_bert_impl import BertImplSelfAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import SMALL, needs_tracing, small_model  # noqa: E402
+from helpers import SMALL, needs_tracing, small_ids, small_model  # noqa: E402
 
 AVX2 = (sys.platform == "linux" and platform.machine() == "x86_64"
         and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
@@ -185,15 +186,12 @@ def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kerne
 
 
 @needs_tracing
-def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch, tmp_path):
-    """Where it is not chosen (an AVX-512 CPU, or it could not be built: `load` says why), no call reaches it. An int8
-    model chooses it only where its weights have 7 bits (no VNNI): vpmaddubsw's int16 pair sums would saturate on 8."""
-    monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
-    monkeypatch.setattr(avx2_gemm, "load", lambda: "g++ could not build it")
-    model = bi.compile_for_inference(small_model(), tmp_path / "onednn.pt2")
+def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch, small_lora_merged_package):
+    """Where it is not chosen (an AVX-512 CPU, or it could not be built: `load` says why), no call reaches it (the
+    program of conftest's `small_lora_merged_package`, compiled so). An int8 model chooses it only where its weights
+    have 7 bits (no VNNI): vpmaddubsw's int16 pair sums would saturate on 8."""
     for op in avx2_gemm.OPS:
-        assert kernel_calls(model, op, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
-    monkeypatch.undo()
+        assert kernel_calls(small_lora_merged_package, op, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
     int8 = int8_model(small_model())
     for levels, chosen in ((63, True), (127, False)):
@@ -277,17 +275,27 @@ def int8_model(model: bi.BertImplModel) -> bi.BertImplModel:
                                                                          generator=torch.Generator().manual_seed(3))}])
 
 
+@pytest.fixture
+def int8_package(request, tmp_path):
+    """An int8 SMALL model with 7-bit weights compiled through the kernel: on an AVX2 CPU without VNNI, where that is
+    the CPU's own choice, conftest's `small_int8_package` (test_compiled.py's); elsewhere one compiled here as if."""
+    if avx2_gemm.supported() and quantization.weight_levels() == 63 and avx2_gemm.load() is None:
+        return request.getfixturevalue("small_int8_package")[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(avx2_gemm, "supported", lambda: True)
+        patch.setattr(quantization, "weight_levels", lambda: 63)  # as on a CPU without VNNI
+        patch.setattr(avx2_gemm, "weight_levels", lambda: 63)
+        return bi.compile_for_inference(int8_model(small_model()), tmp_path / "int8.pt2")
+
+
 @needs_tracing
-def test_the_int8_program_runs_every_encoder_product_through_the_kernel(ops, monkeypatch, tmp_path):
+def test_the_int8_program_runs_every_encoder_product_through_the_kernel(ops, int8_package):
     """An int8 model with 7-bit weights: 8 qgemm calls a call (query, key and value in one product of their int8
     weights concatenated), Int8Linear layers again after the trace, and the
     outputs of the traced formulation run eagerly (the same integers, summed in floats there)."""
-    monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
-    monkeypatch.setattr(quantization, "weight_levels", lambda: 63)  # as on a CPU without VNNI
-    monkeypatch.setattr(avx2_gemm, "weight_levels", lambda: 63)
-    model = bi.compile_for_inference(int8_model(small_model()), tmp_path / "int8.pt2")
+    model = int8_package
     assert [type(layer) for _, _, layer in encoder_linears(model.encoder, Int8Linear)] == [Int8Linear] * 12
-    ids = torch.randint(1, SMALL["vocab_size"], (3, 9), generator=torch.Generator().manual_seed(4))
+    ids = small_ids(3, seed=4)
     with torch.no_grad(), torch.profiler.profile() as profile:
         got = model(input_ids=ids)
     assert sum(event.count for event in profile.key_averages() if event.key == avx2_gemm.INT8_OP) == 8

@@ -7,8 +7,9 @@ never changes the compiled model's answers; training or saving the compiled mode
 never written over, and refused for other weights; damaged, cut off, empty and foreign files are refused by name before
 any of their code runs; bad ids are named as eagerly; in int8, a NaN in one row stays in that row.
 
-Each compile takes 20-45 s on 2 cores: two packages of a 2-layer model (with a pooler and without, conftest's
-`small_packages`, shared with test_avx2_gemm.py) that most tests load, and one of all-MiniLM-L6-v2."""
+Each compile takes 20-45 s on 2 cores: of a 2-layer model, two packages (with a pooler and without: conftest's
+`small_packages`) that most tests load, an int8 one and one with a LoRA adapter merged in, all four conftest's and
+shared with test_avx2_gemm.py; and one of all-MiniLM-L6-v2."""
 
 import copy
 import inspect
@@ -22,7 +23,6 @@ import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
-import peft
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,8 @@ from modeling_bert_impl.inference.anatomy import encoder_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
-    HEADS, LAYOUTS, SMALL, layout_inputs, needs_tracing, output_tensors, small_model,
+    HEADS, LAYOUTS, NAN_TOKEN, SMALL, layout_inputs, needs_tracing, output_tensors, small_ids, small_int8_model,
+    small_lora, small_model,
 )
 
 pytestmark = needs_tracing
@@ -93,13 +94,6 @@ def uncompiled(model):
 def eager(model, **inputs):
     with uncompiled(model):
         return model(**inputs)
-
-
-NAN_TOKEN = SMALL["vocab_size"] - 1  # a token no random batch holds: the int8 package's NaN embedding (`int8_package`)
-
-
-def random_ids(B: int, seed: int) -> torch.Tensor:  # (B, 9) token ids of the SMALL vocabulary
-    return torch.randint(1, NAN_TOKEN, (B, 9), generator=torch.Generator().manual_seed(seed))
 
 
 def assert_same_outputs(got, expected):
@@ -191,7 +185,7 @@ STEP_ASIDE = {
 def test_the_program_steps_aside(packages, encoder_state, case):
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
-    inputs = {"input_ids": random_ids(3, seed=3)}
+    inputs = {"input_ids": small_ids(3, seed=3)}
     with torch.no_grad():
         got = STEP_ASIDE[case](model, inputs)
         with uncompiled(model):
@@ -206,7 +200,7 @@ def test_gradients_modes_and_hooks_take_the_eager_path(packages, encoder_state):
     the model. Training the compiled model is refused."""
     model = compiled("BertImplForSequenceClassification", packages, encoder_state)
     calls = program_calls(model)
-    inputs = {"input_ids": random_ids(2, seed=4)}
+    inputs = {"input_ids": small_ids(2, seed=4)}
     embeds = model.bert.embeddings.word_embeddings(inputs["input_ids"]).requires_grad_()
     model(inputs_embeds=embeds).logits.sum().backward()
     assert embeds.grad is not None and calls == []
@@ -266,7 +260,7 @@ def test_changing_the_model_never_changes_the_compiled_model(packages, encoder_s
     model.load_state_dict(encoder_state)
     compiled_model = bi.compile_for_inference(model, packages[True])
     calls = program_calls(compiled_model)
-    inputs = {"input_ids": random_ids(1, seed=5)}
+    inputs = {"input_ids": small_ids(1, seed=5)}
     with torch.no_grad():
         before = compiled_model(**inputs).last_hidden_state
         UPDATES[update](model)
@@ -288,7 +282,7 @@ def test_a_weight_of_the_compiled_model_changed_in_place_is_refused_at_the_next_
     """The compiled model's own weight changed in place after its first answer (through the tensor, or its `.data`):
     its next call is refused, naming the weight (test_serving.py has each kind of change, on the other engines)."""
     model = compiled("BertImplForSequenceClassification", packages, encoder_state)
-    inputs = {"input_ids": random_ids(2, seed=6)}
+    inputs = {"input_ids": small_ids(2, seed=6)}
     with torch.no_grad():
         model(**inputs)
         change(model.get_parameter(name))
@@ -307,7 +301,7 @@ REPLACEMENTS = {  # changes made to the compiled model itself: the eager path, w
 def test_replaced_modules_and_parameters_take_the_eager_path(packages, encoder_state, replacement):
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
-    inputs = {"input_ids": random_ids(1, seed=5)}
+    inputs = {"input_ids": small_ids(1, seed=5)}
     with torch.no_grad():
         before = model(**inputs).last_hidden_state
         REPLACEMENTS[replacement](model)
@@ -317,25 +311,23 @@ def test_replaced_modules_and_parameters_take_the_eager_path(packages, encoder_s
     assert torch.equal(got, expected) and (got - before).abs().max() > 1e-4
 
 
-def test_peft_adapters_take_the_eager_path_and_merged_models_compile(packages, encoder_state):
+def test_peft_adapters_take_the_eager_path_and_merged_models_compile(packages, encoder_state,
+                                                                     small_lora_merged_package):
     """Adapters put on the compiled model: the eager path, with them (as on the plain model). Merged into the model it
-    was compiled from and compiled again: the program, with the adapted outputs."""
+    was compiled from and compiled again (conftest's `small_lora_merged_package`): the program, with the adapted
+    outputs."""
     torch.manual_seed(1)
     plain = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
     plain.load_state_dict(encoder_state)
     model = bi.compile_for_inference(plain, packages[True])
     calls = program_calls(model)
-    inputs = {"input_ids": random_ids(2, seed=6)}
-    config = lambda: peft.LoraConfig(target_modules=["query", "value", "dense"], init_lora_weights=False)  # noqa: E731
+    merged = small_lora_merged_package
+    merged_calls = program_calls(merged)
+    inputs = {"input_ids": small_ids(2, seed=6)}
     with torch.no_grad():
         before = model(**inputs).last_hidden_state
-        torch.manual_seed(2)
-        adapted = peft.get_peft_model(model, config())(**inputs).last_hidden_state
-        torch.manual_seed(2)
-        adapted_plain = peft.get_peft_model(plain, config())
-        expected = adapted_plain(**inputs).last_hidden_state
-        merged = bi.compile_for_inference(adapted_plain.merge_and_unload())
-        merged_calls = program_calls(merged)
+        adapted = small_lora(model)(**inputs).last_hidden_state
+        expected = small_lora(plain)(**inputs).last_hidden_state
         got = merged(**inputs).last_hidden_state
     assert len(calls) == 1 and len(merged_calls) == 1
     assert (adapted - before).abs().max() > 1e-3
@@ -345,7 +337,7 @@ def test_peft_adapters_take_the_eager_path_and_merged_models_compile(packages, e
 def test_bad_ids_are_named_and_the_program_still_serves(packages, encoder_state):
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
-    ids = random_ids(2, seed=7)
+    ids = small_ids(2, seed=7)
     bad = ids.clone()
     bad[1, 4] = SMALL["vocab_size"] + 5
     with torch.no_grad():
@@ -373,7 +365,7 @@ def test_a_failure_of_the_program_reaches_the_caller(packages, encoder_state):
     encoder.run, run = failing, encoder.run
     try:
         with torch.no_grad(), pytest.raises(RuntimeError, match="the program failed"):
-            model(input_ids=random_ids(2, seed=7))
+            model(input_ids=small_ids(2, seed=7))
     finally:
         encoder.run = run
 
@@ -394,7 +386,7 @@ def test_packages_are_reused_and_never_written_over(packages, encoder_state, tmp
     with pytest.raises(ValueError, match="save the model you passed to compile_for_inference"):
         model.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
-    ids = random_ids(1, seed=8)
+    ids = small_ids(1, seed=8)
     duplicate = copy.deepcopy(model)
     calls = program_calls(duplicate)
     with torch.no_grad():
@@ -411,7 +403,7 @@ def test_loaded_compiled_and_called_under_inference_mode(packages, encoder_state
         model.load_state_dict(encoder_state)
         compiled_model = bi.compile_for_inference(model, packages[True])
         calls = program_calls(compiled_model)
-        ids = random_ids(2, seed=9)
+        ids = small_ids(2, seed=9)
         got, expected = compiled_model(input_ids=ids), model(input_ids=ids)
     assert len(calls) == 1
     assert_same_outputs(got, expected)
@@ -489,7 +481,7 @@ def test_flipped_weight_bytes_are_refused(packages, encoder_state, tmp_path, ref
     with pytest.raises(ValueError, match=rf"{re.escape(str(path))} {message}"):
         bi.compile_for_inference(model, path)
     monkeypatch.undo()
-    ids = random_ids(1, seed=40)
+    ids = small_ids(1, seed=40)
     program = compiled_encoder.load_package(str(path), kernels=False)
     with torch.no_grad():
         flipped = program([ids, torch.ones_like(ids), torch.zeros_like(ids), torch.arange(9)[None]])[0]
@@ -537,13 +529,13 @@ def test_calls_over_the_token_limit_take_the_eager_path(packages, encoder_state,
     for capability, limit in (("AVX2", 512 if kernel else 64), ("AVX512", None)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         assert compiled_encoder.token_limit(float32) == limit
-        assert compiled_encoder.token_limit(int8_model(encoder_state, seed=10)) is None
+        assert compiled_encoder.token_limit(small_int8_model(encoder_state, seed=10)) is None
     monkeypatch.undo()
     model = compiled("BertImplModel", packages, encoder_state)
     model.base_model.compiled_encoder.max_tokens = 18
     calls = program_calls(model)
     for B, runs in ((2, 1), (3, 1), (1, 2)):  # 18 tokens: the program; 27: the eager path; 9: the program
-        ids = random_ids(B, seed=20 + B)
+        ids = small_ids(B, seed=20 + B)
         with torch.no_grad():
             got, expected = model(input_ids=ids), eager(model, input_ids=ids)
         assert len(calls) == runs
@@ -555,7 +547,7 @@ def test_dense_batches_run_the_program_in_groups(packages, encoder_state, monkey
     sequences (as the eager path runs its layers), with the outputs of one run and of the eager path."""
     model = compiled("BertImplModel", packages, encoder_state)
     calls = program_calls(model)
-    ids = random_ids(5, seed=30)  # (5, 9)
+    ids = small_ids(5, seed=30)  # (5, 9)
     with torch.no_grad():
         whole = model(input_ids=ids)
         monkeypatch.setattr(fused_layers, "CHUNK_TOKENS", 18)  # two sequences a group: 2 + 2 + 1
@@ -571,7 +563,7 @@ def test_int8_products_follow_the_cpu(encoder_state, monkeypatch, vnni):
     """inductor's C++ int8 GEMM template has VNNI micro-kernels and otherwise a scalar one (25x slower than oneDNN's
     qlinear on an AVX2 CPU): the template where the CPU has VNNI, oneDNN elsewhere; float32 on oneDNN everywhere."""
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni)
-    configs = compiled_encoder.gemm_configs(int8_model(encoder_state, seed=10))
+    configs = compiled_encoder.gemm_configs(small_int8_model(encoder_state, seed=10))
     backends = configs.get("max_autotune_gemm_backends")
     assert (backends is not None and "CPP" in backends.split(",")) if vnni else backends is None, backends
     float32 = bi.BertImplModel(bi.BertImplConfig(**SMALL))
@@ -633,21 +625,11 @@ def test_sentence_transformers_and_pipelines_run_the_program_on_minilm(minilm_di
         assert (got - torch.tensor(want[0])).abs().max().item() < 1e-5
 
 
-def int8_model(encoder_state, seed: int):
-    """The SMALL encoder quantized by `quantize_for_inference`, calibrated on random ids (the seed picks them)."""
-    model = bi.BertImplModel(bi.BertImplConfig(**SMALL))
-    model.load_state_dict(encoder_state)
-    return bi.quantize_for_inference(model, [{"input_ids": random_ids(8, seed)}])
-
-
 @pytest.fixture(scope="module")
-def int8_package(encoder_state, tmp_path_factory):
-    """The SMALL encoder's int8 model compiled, NAN_TOKEN's embedding NaN (a sequence holding it is a bad row), and
-    the package's path."""
-    path = tmp_path_factory.mktemp("int8") / "int8.pt2"
-    state = {**encoder_state, "embeddings.word_embeddings.weight": encoder_state[
-        "embeddings.word_embeddings.weight"].index_fill(0, torch.tensor([NAN_TOKEN]), float("nan"))}
-    return bi.compile_for_inference(int8_model(state, seed=10), path), path
+def int8_package(small_int8_package):
+    """The SMALL encoder's int8 model compiled, NAN_TOKEN's embedding NaN, and the package's path: conftest's
+    `small_int8_package`, which test_avx2_gemm.py runs too."""
+    return small_int8_package
 
 
 def test_an_int8_model_compiles(int8_package, encoder_state):
@@ -657,7 +639,7 @@ def test_an_int8_model_compiles(int8_package, encoder_state):
     first token), and another calibration's int8 weights are refused the package."""
     model, path = int8_package
     calls = program_calls(model)
-    ids = random_ids(3, seed=11)
+    ids = small_ids(3, seed=11)
     padded = padded_batch(seed=12)
     empty_row = torch.ones_like(ids).index_fill(0, torch.tensor([1]), 0)  # the eager path pools its zero row
     with torch.no_grad():
@@ -676,7 +658,7 @@ def test_an_int8_model_compiles(int8_package, encoder_state):
     assert (got_padded.last_hidden_state[padded["attention_mask"] == 0] == 0).all()
     assert F.cosine_similarity(got.last_hidden_state, kernel.last_hidden_state, dim=-1).min() > 0.99
     with pytest.raises(ValueError, match="another model or weights"):
-        bi.compile_for_inference(int8_model(encoder_state, seed=13), path)
+        bi.compile_for_inference(small_int8_model(encoder_state, seed=13), path)
 
 
 def test_a_nan_in_one_row_of_an_int8_batch_stays_in_that_row(int8_package, encoder_state):
@@ -688,7 +670,7 @@ def test_a_nan_in_one_row_of_an_int8_batch_stays_in_that_row(int8_package, encod
     float32.load_state_dict(encoder_state)
     float32.embeddings.word_embeddings.weight.data[NAN_TOKEN] = float("nan")
     calls = program_calls(model)
-    ids = random_ids(4, seed=41)
+    ids = small_ids(4, seed=41)
     ids[0, 3] = NAN_TOKEN
     with torch.no_grad():
         expected = float32(input_ids=ids)
