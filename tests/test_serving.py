@@ -425,10 +425,23 @@ def test_dense_batches_go_through_the_layers_in_groups(fused_calls, minilm_dir, 
     assert (grouped.pooler_output - expected.pooler_output).abs().max() < 1e-5
 
 
-def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir):
+def uncompiled_flex_attention(monkeypatch):
+    """transformers' flex attention run eagerly: where only the layers it runs in count (its compile on the CPU takes
+    10-25 s; its answers are checked in test_modeling.py). Returns the shapes of the queries it was called with."""
+    import transformers.integrations.flex_attention as hf_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    calls = []
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", lambda query, key, value, training=False, **kwargs: (
+        calls.append(query.shape) or flex_attention(query, key, value, **kwargs)))
+    return calls
+
+
+def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir, monkeypatch):
     """Not fused: inputs that need gradients, attention maps asked for, a hook on a layer's module (the hook runs),
     a global forward hook, a patched forward, flex attention; fused again when they are gone. PEFT adapters put on the
     inference model replace modules: the layers run as modules, with the adapters (as on the plain model)."""
+
     plain = bi.BertImplModel.from_pretrained(minilm_dir).eval()
     model = optimize_for_inference(plain)
     inputs = batch([9], seed=4)
@@ -452,8 +465,10 @@ def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir):
         patched = model(**inputs).last_hidden_state
         del norm.forward
         if bi.input_checks.TRACING_SUPPORTED:  # flex attention refuses below torch 2.13 (test_torch_versions.py)
+            flex_calls = uncompiled_flex_attention(monkeypatch)
             model.set_attn_implementation("flex_attention")
             model(**inputs)
+            assert len(flex_calls) == model.config.num_hidden_layers
             model.set_attn_implementation("sdpa")
         assert len(fused_calls) == 6 and len(seen) == 1 and (hooked - expected).abs().max() < 1e-5
         assert (patched - expected).abs().max() > 1e-3  # the patch ran
