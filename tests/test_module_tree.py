@@ -15,7 +15,6 @@ embeddings return (B, T, H) always. Which layout ran is seen through `helpers.la
 changes nothing."""
 
 import contextlib
-import os
 from pathlib import Path
 
 import pytest
@@ -596,12 +595,7 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
 def test_fsdp2_on_cpu_takes_the_padding_free_path_and_equals_one_process(tmp_path):
     import torch.multiprocessing as mp
 
-    # Forked ranks start with this process's imports (a spawned one spends about 10 s importing them); but a child of a
-    # process whose OpenMP ran several threads hangs in its first parallel region (GNU libgomp), so only where OpenMP
-    # has had one thread from the start, as in the README's command (pytest-xdist workers, conftest.py).
-    one_thread = os.environ.get("OMP_NUM_THREADS") == "1" and torch.get_num_threads() == 1
-    mp.start_processes(fsdp_worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path / "out.pt")), nprocs=WORLD,
-                       start_method="fork" if one_thread else "spawn")
+    mp.spawn(fsdp_worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path / "out.pt")), nprocs=WORLD)
     sharded = torch.load(tmp_path / "out.pt")
 
     model = fsdp_model()
