@@ -30,7 +30,7 @@ from modeling_bert_impl.inference.anatomy import encoder_linears
 from modeling_bert_impl.modeling_bert_impl import BertImplSelfAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import SMALL, needs_tracing, small_ids, small_model  # noqa: E402
+from helpers import SMALL, needs_tracing, small_ids, small_int8_model, small_model  # noqa: E402
 
 AVX2 = (sys.platform == "linux" and platform.machine() == "x86_64"
         and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
@@ -193,7 +193,7 @@ def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch,
     for op in avx2_gemm.OPS:
         assert kernel_calls(small_lora_merged_package, op, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
-    int8 = int8_model(small_model())
+    int8 = int8_model()
     for levels, chosen in ((63, True), (127, False)):
         monkeypatch.setattr(avx2_gemm, "weight_levels", lambda: levels)
         assert avx2_gemm.chosen(int8) == chosen and avx2_gemm.chosen(small_model())
@@ -270,22 +270,21 @@ def test_a_nan_or_inf_in_one_row_stays_in_that_row(ops, K):
     assert torch.equal(got[[1, 3, 5]], alone)
 
 
-def int8_model(model: bi.BertImplModel) -> bi.BertImplModel:
-    return bi.quantize_for_inference(model, [{"input_ids": torch.randint(1, SMALL["vocab_size"], (8, 9),
-                                                                         generator=torch.Generator().manual_seed(3))}])
+def int8_model() -> bi.BertImplModel:  # the SMALL encoder of small_model(0)'s weights in int8 (calibration seed 3)
+    return small_int8_model(small_model(0).state_dict(), seed=3)
 
 
 @pytest.fixture
 def int8_package(request, tmp_path):
     """An int8 SMALL model with 7-bit weights compiled through the kernel: on an AVX2 CPU without VNNI, where that is
     the CPU's own choice, conftest's `small_int8_package` (test_compiled.py's); elsewhere one compiled here as if."""
-    if avx2_gemm.supported() and quantization.weight_levels() == 63 and avx2_gemm.load() is None:
+    if avx2_gemm.chosen(int8_model()):
         return request.getfixturevalue("small_int8_package")[0]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(avx2_gemm, "supported", lambda: True)
         patch.setattr(quantization, "weight_levels", lambda: 63)  # as on a CPU without VNNI
         patch.setattr(avx2_gemm, "weight_levels", lambda: 63)
-        return bi.compile_for_inference(int8_model(small_model()), tmp_path / "int8.pt2")
+        return bi.compile_for_inference(int8_model(), tmp_path / "int8.pt2")
 
 
 @needs_tracing

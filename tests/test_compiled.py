@@ -625,19 +625,12 @@ def test_sentence_transformers_and_pipelines_run_the_program_on_minilm(minilm_di
         assert (got - torch.tensor(want[0])).abs().max().item() < 1e-5
 
 
-@pytest.fixture(scope="module")
-def int8_package(small_int8_package):
-    """The SMALL encoder's int8 model compiled, NAN_TOKEN's embedding NaN, and the package's path: conftest's
-    `small_int8_package`, which test_avx2_gemm.py runs too."""
-    return small_int8_package
-
-
-def test_an_int8_model_compiles(int8_package, encoder_state):
+def test_an_int8_model_compiles(small_int8_package, encoder_state):
     """quantize_for_inference, then compile_for_inference: the program runs the int8 products as the traced
     formulation of `Int8Linear` does (`quantized_decomposed`; the eager path takes it where gradients are on), on
     dense batches and on padded ones once per group of the eager layout (zeros at padding, each row pooled from its
     first token), and another calibration's int8 weights are refused the package."""
-    model, path = int8_package
+    model, path = small_int8_package  # conftest's, which test_avx2_gemm.py runs too
     calls = program_calls(model)
     ids = small_ids(3, seed=11)
     padded = padded_batch(seed=12)
@@ -661,11 +654,11 @@ def test_an_int8_model_compiles(int8_package, encoder_state):
         bi.compile_for_inference(small_int8_model(encoder_state, seed=13), path)
 
 
-def test_a_nan_in_one_row_of_an_int8_batch_stays_in_that_row(int8_package, encoder_state):
+def test_a_nan_in_one_row_of_an_int8_batch_stays_in_that_row(small_int8_package, encoder_state):
     """A dense batch whose first sequence holds the token with the NaN embedding: that row's outputs are NaN, the
     others' within cosine 0.99 of the float32 model's, through the program, the eager int8 kernel and the traced
     formulation alike."""
-    model, _ = int8_package
+    model, _ = small_int8_package
     float32 = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
     float32.load_state_dict(encoder_state)
     float32.embeddings.word_embeddings.weight.data[NAN_TOKEN] = float("nan")

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import peft
 import pytest
 import torch
 import transformers
@@ -26,7 +25,7 @@ from modeling_bert_impl.inference.packed_linear import PackedLinear, pack, packe
 from modeling_bert_impl.inference.serving import optimize_for_inference
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
-    HEADS, LAYOUTS, SMALL, assert_same_state, layout_inputs, model_state, output_tensors,
+    HEADS, LAYOUTS, SMALL, assert_same_state, layout_inputs, model_state, output_tensors, small_lora,
 )
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -432,8 +431,11 @@ def uncompiled_flex_attention(monkeypatch):
     from torch.nn.attention.flex_attention import flex_attention
 
     calls = []
-    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", lambda query, key, value, training=False, **kwargs: (
-        calls.append(query.shape) or flex_attention(query, key, value, **kwargs)))
+    def uncompiled(query, key, value, training=False, **kwargs):
+        calls.append(query.shape)
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", uncompiled)
     return calls
 
 
@@ -441,7 +443,6 @@ def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir, monke
     """Not fused: inputs that need gradients, attention maps asked for, a hook on a layer's module (the hook runs),
     a global forward hook, a patched forward, flex attention; fused again when they are gone. PEFT adapters put on the
     inference model replace modules: the layers run as modules, with the adapters (as on the plain model)."""
-
     plain = bi.BertImplModel.from_pretrained(minilm_dir).eval()
     model = optimize_for_inference(plain)
     inputs = batch([9], seed=4)
@@ -474,11 +475,7 @@ def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir, monke
         assert (patched - expected).abs().max() > 1e-3  # the patch ran
         model(**inputs)  # attention maps were asked for once: transformers' recording hooks do not count
     assert len(fused_calls) == 12
-    config = lambda: peft.LoraConfig(target_modules=["query", "value", "dense"], init_lora_weights=False)  # noqa: E731
-    torch.manual_seed(0)
-    adapted = peft.get_peft_model(model, config())
-    torch.manual_seed(0)
-    adapted_plain = peft.get_peft_model(copy.deepcopy(plain), config())
+    adapted, adapted_plain = small_lora(model), small_lora(copy.deepcopy(plain))
     with torch.no_grad():
         got, want = adapted(**inputs).last_hidden_state, adapted_plain(**inputs).last_hidden_state
     assert len(fused_calls) == 12
