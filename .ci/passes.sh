@@ -11,11 +11,12 @@ new_env() {  # a new, empty virtual environment, activated (in the pass's subshe
     source "$PASS_ENVS/$1/bin/activate"
 }
 
-run_pass() {  # run_pass NAME TITLE FUNCTION: FUNCTION runs in a subshell with `set -e`, in its own new environment
+run_pass() {  # run_pass NAME TITLE FUNCTION [ARG...]: FUNCTION ARG... in a subshell with `set -e`, in a new environment
     local name=$1 title=$2 body=$3 start=$SECONDS status
+    shift 3
     echo "== $name: $title"
     set +e  # the subshell's own `set -e` holds only where its exit status is not tested (no `||`, no `if`)
-    ( set -euo pipefail; new_env "$name"; echo "== $name: $(python --version) in $PASS_ENVS/$name"; "$body" )
+    ( set -euo pipefail; new_env "$name"; echo "== $name: $(python --version) in $PASS_ENVS/$name"; "$body" "$@" )
     status=$?
     rm -rf "${PASS_ENVS:?}/$name"  # a CUDA build of torch takes several GB
     if [ "$status" -ne 0 ]; then

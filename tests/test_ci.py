@@ -10,9 +10,9 @@ SCRIPT = """
 set -uo pipefail
 source .ci/passes.sh
 broken() { echo "step 1"; false; echo "never printed"; }
-fine() { python -c "import sys; print('in', sys.prefix)"; }
+fine() { python -c "import sys; print('in', sys.prefix, 'with', sys.argv[1:])" "$@"; }
 run_pass first "a pass that fails half-way" broken
-run_pass second "a pass after it" fine
+run_pass second "a pass after it" fine "2.6" "two words"
 run_pass third "another failing pass" false
 finish 3
 """
@@ -25,7 +25,8 @@ def test_a_failing_pass_lets_the_later_ones_run_and_fails_the_script(tmp_path):
     out = proc.stdout
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "step 1" in out and "never printed" not in out  # `set -e` inside a pass ends that pass
-    assert f"in {tmp_path / 'envs' / 'second'}" in out  # the next pass ran, in its own new environment
+    # the next pass ran, in its own new environment, given its arguments
+    assert f"in {tmp_path / 'envs' / 'second'} with ['2.6', 'two words']" in out
     assert "== first: FAILED (exit 1) after" in out and "== second: passed in" in out
     assert "== third: FAILED" in out
     assert out.strip().splitlines()[-1] == "== CI FAILED: first third (of 3 passes)"
