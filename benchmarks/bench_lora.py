@@ -85,7 +85,7 @@ def main():
     step = {name: statistics.median(t) for name, t in times.items()}
     for name, seconds in step.items():
         print(f"  {name:12s} {seconds * 1e3:8.1f} ms a step, {real / len(data) / seconds:10,.0f} real tokens/s")
-    observer = bi.modeling_bert_impl.looking_inside(models["bert-impl"][0].get_base_model().bert.encoder)
+    observer = bi.layouts.looking_inside(models["bert-impl"][0].get_base_model().bert.encoder)
     print(f"  bert-impl / transformers step time: {step['bert-impl'] / step['transformers']:.2f}x "
           f"(speed {step['transformers'] / step['bert-impl']:.2f}x); bert-impl's layout: "
           f"{'padded (' + observer + ')' if observer else 'padding-free (LoRA layers inside, nothing looking)'}")

@@ -1,18 +1,14 @@
-"""The padding-free machinery of the encoder, in one place: layouts, attention kernels and padding helpers.
+"""The padding-free layouts' machinery: padding helpers as small pure functions, and the attention kernels.
 
-The encoder calls one small interface, `UnpaddedLayout`: `UnpaddedLayout.build(...)` from the attention mask or the
-packing markers (once per forward), then `layout.unpad(t)` (B, T, ...) -> (P, ...), `layout.attend(q, k, v, ...)`
-per layer and `layout.repad(h)` (P, ...) -> (B, T, ...), zeros at padding.
+layouts.py builds its layouts from these: `VarlenLayout` runs the exact varlen kernels (`varlen_kernel`), `BucketedLayout`
+the CPU's bucketed rows (`bucketed_rows`, `bucketed_attention`).
 
 Vocabulary: B batch, T padded length, nnz real (non-padding) tokens in the batch, cu_seqlens the cumulative sequence
 lengths `(S + 1,)` int32 starting at 0 (S sequences; S = B for a padded batch, more for a packed one), P the rows the
-unpadded encoder runs on. Two layouts:
-
-- exact (P = nnz, `VarlenBatch`): the varlen kernels below; on CUDA, and for training under torch.compile;
-- bucketed (`BucketedBatch`, CPU): sequences sorted by length into a few groups, each padded to its longest (P a few
-  percent over nnz), so that attention takes each group as a plain padded batch straight from views of the rows: no
-  copies per layer, no per-sequence calls. On CPU this measured fastest: copies cost more than the few padded rows
-  there (benchmarks/NOTES.md, "Attention layout of the padding-free path on CPU").
+unpadded encoder runs on: nnz in the exact layout; in the bucketed one, sequences sorted by length into a few groups,
+each padded to its longest (P a few percent over nnz), so that attention takes each group as a plain padded batch
+straight from views of the rows: no copies per layer, no per-sequence calls. On CPU this measured fastest: copies cost
+more than the few padded rows there (benchmarks/NOTES.md, "Attention layout of the padding-free path on CPU").
 
 Under torch.compile the steps that need the batch's values on the host (how many real tokens, which groups) run as
 custom ops with data-dependent output sizes (`torch.library.custom_op`), so the compiled graph has no graph break and
@@ -143,7 +139,7 @@ def bucketed_rows(cu_seqlens: torch.Tensor, groups: list[list[int]], seqlens: li
 # Attention kernels: q, k, v (P, N, D) -> (P, N, D), each token attending to the keys of its own sequence only
 # ---------------------------------------------------------------------------------------------------------------------
 class VarlenBatch(NamedTuple):
-    """The exact layout (P = nnz): what attention needs to treat the rows as S separate sequences."""
+    """What the exact kernels need to treat nnz rows as S separate sequences."""
 
     cu_seqlens: torch.Tensor  # (S + 1,) int32
     max_seqlen: int
@@ -157,9 +153,6 @@ class VarlenBatch(NamedTuple):
         indices = sequence * max_seqlen + torch.arange(nnz, device=cu.device) - cu[sequence]  # (nnz,)
         key_mask = additive_mask(sequence_mask(cu_seqlens, max_seqlen), dtype)[:, None, None, :]
         return cls(cu_seqlens, max_seqlen, indices, key_mask)
-
-    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
-        return varlen_kernel(q)(q, k, v, self, scaling, dropout)
 
 
 def flash_varlen_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
@@ -208,18 +201,6 @@ def bucketed_attention(q, k, v, key_mask: torch.Tensor, shapes, scaling: float, 
     return torch.cat(y) if len(y) > 1 else y[0]
 
 
-class BucketedBatch(NamedTuple):
-    """The bucketed layout: groups of sequences padded to their group's longest, laid out one after the other."""
-
-    key_mask: torch.Tensor  # (P,) additive: 0 on rows holding a real token, the dtype's minimum on filler rows
-    shapes: list[tuple[int, int, int]] | torch.Tensor  # (s_g, T_g, filler) per group, in row order; (G, 3) when traced
-
-    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
-        if isinstance(self.shapes, torch.Tensor):  # traced: the group loop runs inside one opaque op
-            return torch.ops.bert_impl.bucketed_attention(q, k, v, self.key_mask, self.shapes, scaling)
-        return bucketed_attention(q, k, v, self.key_mask, self.shapes, scaling, dropout)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Custom ops for torch.compile: the host-side steps, opaque to the compiler, with data-dependent output sizes
 # ---------------------------------------------------------------------------------------------------------------------
@@ -230,6 +211,13 @@ def _bucketed_layout(tokens: torch.Tensor, cu_seqlens: torch.Tensor, group_cost:
     rows, real, shapes = bucketed_rows(cu_seqlens, length_groups(seqlens, group_cost), seqlens)
     grid = tokens[rows] if tokens.numel() else tokens.new_zeros(rows.shape)  # no tokens: the filler row, position 0
     return grid, real, real.nonzero().flatten(), shapes
+
+
+def bucketed_layout(tokens: torch.Tensor, cu_seqlens: torch.Tensor, group_cost: int):
+    """`_bucketed_layout`, read on the host; traced, inside a custom op (shapes then a (G, 3) tensor)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.bert_impl.bucketed_layout(tokens, cu_seqlens, group_cost)
+    return _bucketed_layout(tokens, cu_seqlens, group_cost)
 
 
 def _register_custom_ops() -> None:
@@ -273,7 +261,7 @@ _register_custom_ops()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The interface the encoder calls
+# Packing markers
 # ---------------------------------------------------------------------------------------------------------------------
 def cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, num_sequences: int | None) -> torch.Tensor:
     """The (S + 1,) int32 boundaries of a packed (1, nnz) batch, from whichever marker the collator gave.
@@ -286,55 +274,3 @@ def cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, num_sequences:
     else:
         boundaries = torch.nonzero_static(starts, size=num_sequences).flatten()  # (S,)
     return torch.cat([boundaries, boundaries.new_tensor([starts.numel()])]).to(torch.int32)
-
-
-class UnpaddedLayout(NamedTuple):
-    """Where the unpadded encoder's P rows come from in the (B, T) input and go back to; built once per forward."""
-
-    grid: torch.Tensor  # (P,) each row's position in the flattened (B * T) input
-    real: torch.Tensor | None  # (nnz,) the rows that hold real tokens, once each; None when every row does
-    attention: VarlenBatch | BucketedBatch
-    shape: tuple[int, int]  # (B, T)
-
-    @classmethod
-    def build(cls, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, shape: tuple[int, int],
-              nnz: int | None, max_seqlen: int | None, dtype: torch.dtype, device: torch.device,
-              bucketed: bool) -> "UnpaddedLayout":
-        """From a padded batch's (B, T) attention_mask, or a packed (1, T) batch's cu_seqlens (S + 1,).
-
-        nnz, max_seqlen: the real tokens and the longest sequence, read on the host (eager), or None when traced
-        (then a padded batch's sequences are laid out at the batch's length T; a packed batch's at `max_seqlen` if
-        given, else at T). bucketed: the bucketed layout (CPU), else the exact one."""
-        B, T = shape
-        traced = nnz is None
-        if cu_seqlens is not None:  # packed, (1, T): every position is a token
-            tokens = torch.arange(T, device=device)  # (nnz,)
-        elif traced:
-            tokens = torch.ops.bert_impl.nonzero(attention_mask)  # (nnz,)
-            cu_seqlens = F.pad(torch.cumsum(attention_mask.sum(-1, dtype=torch.int32), 0, dtype=torch.int32), (1, 0))
-        else:
-            tokens, cu_seqlens = unpad_indices(attention_mask, nnz)  # (nnz,), (S + 1,)
-        if bucketed:
-            if traced:
-                grid, real, real_rows, shapes = torch.ops.bert_impl.bucketed_layout(tokens, cu_seqlens, BUCKET_GROUP_COST)
-            else:
-                grid, real, real_rows, shapes = _bucketed_layout(tokens, cu_seqlens, BUCKET_GROUP_COST)
-            # filler keys masked, once per forward
-            return cls(grid, real_rows, BucketedBatch(additive_mask(real, dtype), shapes), shape)
-        nnz = tokens.shape[0]
-        max_seqlen = T if max_seqlen is None else max_seqlen
-        return cls(tokens, None, VarlenBatch.build(cu_seqlens, max_seqlen, nnz, dtype), shape)
-
-    def unpad(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """(B, T, ...) -> (P, ...)."""
-        return unpad(t, self.grid) if t is not None else None
-
-    def attend(self, q, k, v, scaling: float, dropout: float) -> torch.Tensor:
-        """q, k, v: (P, N, D) -> (P, N, D), each token attending to the keys of its own sequence only."""
-        return self.attention.attend(q, k, v, scaling, dropout)
-
-    def repad(self, h: torch.Tensor) -> torch.Tensor:
-        """(P, ...) -> (B, T, ...), zeros at padding."""
-        if self.real is None:
-            return pad(h, self.grid, *self.shape)
-        return pad(h[self.real], self.grid[self.real], *self.shape)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from .bert_padding import sequence_starts
+from .bert_padding import cu_seqlens_from_markers, packed_position_ids, sequence_starts
 
 IGNORE_INDEX = -100  # a label that no loss counts (padding, special tokens, unmasked positions), as in transformers
 # The one torch gate. Tracing the model needs torch 2.13: on older releases torch.export fails a guard on the dynamic
@@ -40,21 +40,68 @@ class ValueCheck(NamedTuple):
 
 class BatchFacts(NamedTuple):
     """What the host read about a batch with its checks; None where only the host could say (eager reads them, a
-    traced graph does not). Which layout runs is `choose_path`'s (paths.py)."""
+    traced graph does not)."""
 
     marked: bool  # cu_seq_lens_q or seq_idx given: packing markers that need no read
     packable: bool  # marked, or one row of position_ids without a mask (packed where they restart)
-    padding: bool | None  # the attention mask has padding (None: traced with a mask and no markers; no one can say)
+    mask_has_padding: bool | None  # a 0 in the attention mask (None: traced with a mask and no markers: unknown)
     nnz: int | None  # real tokens
     max_seqlen: int | None  # the longest sequence
     num_sequences: int | None  # S found by the packing markers (1 where none mark sequences)
 
 
+class Batch(NamedTuple):
+    """One forward's batch as `read_batch` read it: what the embeddings and the layouts (layouts.py) need."""
+
+    shape: tuple[int, int]  # (B, T)
+    attention_mask: torch.Tensor | None  # (B, T) over the tokens (a (B, C + T) mask over cached keys split off)
+    facts: BatchFacts
+    packs: torch.Tensor | None  # (S + 1,) int32: where the sequences of a packed batch start and end; None unpacked
+    position_ids: torch.Tensor | None  # as given, or (1, T) restarting at 0 in each packed sequence
+    max_seqlen: int | None  # the longest sequence: read on the host, or given (max_length_q); None when traced
+    cache: object | None  # a transformers Cache of C keys and values per layer (prefix tuning), or None
+    cache_length: int  # C
+    rows_to_skip: bool  # padding or packing that the padding-free layouts would skip
+
+
+def read_batch(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
+               cu_seq_lens_k, max_length_q, seq_idx, cache=None, label_checks=()) -> Batch:
+    """Validate a forward's inputs (`check_inputs`, with a head's `label_checks`) and read what the rest of the
+    forward needs: whether and where sequences are packed (`is_packed`), their positions, and whether there is
+    anything for a padding-free layout to skip (`has_rows_to_skip`)."""
+    C = cache.get_seq_length() if cache is not None else 0  # cached keys ahead of the tokens (prefix tuning)
+    attention_mask, cache_checks = split_cache_mask(attention_mask, C, input_ids, inputs_embeds)  # (B, T)
+    B, T, facts = check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               cu_seq_lens_q, cu_seq_lens_k, seq_idx, [*cache_checks, *label_checks])
+    packed = is_packed(facts)
+    packs = cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, facts.num_sequences) if packed else None
+    if packs is not None and position_ids is None:
+        position_ids = packed_position_ids(packs, T)  # (1, T)
+    return Batch((B, T), attention_mask, facts, packs, position_ids, facts.max_seqlen or max_length_q, cache, C,
+                 has_rows_to_skip(facts, packed))
+
+
+def is_packed(facts: BatchFacts) -> bool:
+    """Sequences packed in one row: marked, or (eager) more than one found where position_ids restart, or (under
+    torch.compile, which reads nothing) a row of position_ids without a mask; under torch.export only the markers."""
+    if not torch.compiler.is_compiling():
+        return facts.marked or facts.num_sequences > 1
+    return facts.marked or (facts.packable and not torch.compiler.is_exporting())  # torch 2.6 has no is_exporting
+
+
+def has_rows_to_skip(facts: BatchFacts, packed: bool) -> bool:
+    """Whether a padding-free layout would skip anything: real tokens with padding beside them, or packed sequences.
+    Traced, the mask decides at run time, except under torch.export, whose graph keeps the padded rows (no
+    data-dependent shapes)."""
+    if not torch.compiler.is_compiling():
+        return facts.nnz > 0 and (packed or facts.mask_has_padding)
+    return not torch.compiler.is_exporting() and (packed or facts.mask_has_padding is not False)
+
+
 def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
                  cu_seq_lens_k, seq_idx, label_checks=()) -> tuple[int, int, BatchFacts]:
     """Validate the encoder's inputs (and a head's `label_checks`). Returns B, T and the facts about the batch.
-    Eager: every value check and fact in one host-device transfer. Traced: one runtime assert, facts None. It chooses
-    nothing: `choose_path` does, from these facts."""
+    Eager: every value check and fact in one host-device transfer. Traced: one runtime assert, facts None."""
     B, T = _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                          cu_seq_lens_q, cu_seq_lens_k, seq_idx)
     marked = cu_seq_lens_q is not None or seq_idx is not None

@@ -1,20 +1,18 @@
 """BERT (Devlin et al., 2019) written from scratch as a transformers model, with stock BERT's module tree and names.
 
 Shapes: B batch, T tokens, H hidden, N heads, D head dim (H = N * D), V vocabulary, S the sequences of a batch (B for a
-padded batch, more for a packed one), P the rows the padding-free encoder runs on (the real tokens, or a few more in
-the CPU's bucketed layout: bert_padding.py).
+padded batch, more for a packed one), P the rows of a padding-free layout (the real tokens, or a few more in the CPU's
+bucketed layout).
 
-Padding-free by default: where a batch has padding (or is packed), the model unpads the embeddings once, runs every
-layer on the (P, H) rows of real tokens, attention per sequence, and re-pads the outputs once at the end. Code that
-looks inside the encoder sees stock's (B, T, H) tensors all the same: a call where a hook of the user's sits on a
-module of the encoder, or a submodule was replaced by a class of the user's, runs the padded layout
-(`looking_inside`). `config.unpad_inputs=True` keeps the padding-free layout even then (hooks see the (P, H) rows),
-`False` always runs the padded one. The embeddings always return stock's (B, T, H). One function chooses the layout
-of a call (paths.py, `choose_path`), from what the input checks read (input_checks.py).
+A forward reads its batch once (input_checks.py: every check and what the rest needs, in one host-device transfer),
+embeds it, and chooses a layout (layouts.py): where there is padding to skip (or the batch is packed), a padding-free
+one, whose rows are the real tokens; else stock's padded one. The encoder asks the layout to enter (the embeddings'
+(B, T, H) to its rows), each self-attention asks it to attend, and the encoder asks it to leave (rows back to (B, T, H),
+zeros at padding). Code that looks inside the encoder (a hook of the user's, a module of the user's class, a replaced
+`forward`) sees stock's (B, T, H) tensors all the same: the call then runs the padded layout (`layouts.looking_inside`;
+`config.unpad_inputs` True or False overrides it).
 """
 
-import functools
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +24,6 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    and_masks,
-    bidirectional_mask_function,
-    packed_sequence_mask_function,
-)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -48,18 +40,10 @@ from transformers.utils import ModelOutput, logging
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
-from .bert_padding import UnpaddedLayout, cu_seqlens_from_markers, packed_position_ids
 from .configuration_bert_impl import BertImplConfig
 from .dropout import BertImplDropout
-from .input_checks import (
-    IGNORE_INDEX,
-    check_inputs,
-    class_label_checks,
-    position_label_checks,
-    require_tracing_torch,
-    split_cache_mask,
-)
-from .paths import choose_path
+from .input_checks import IGNORE_INDEX, class_label_checks, position_label_checks, read_batch, require_tracing_torch
+from .layouts import STANDALONE, choose_layout, remember_forwards
 from .stock_format import old_names_conversion, stock_name, write_stock_config
 
 logger = logging.get_logger(__name__)
@@ -114,9 +98,9 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 class BertImplSelfAttention(nn.Module):
-    """Multi-head self-attention: (B, T, H) through transformers' attention functions, or the (P, H) rows of a
-    padding-free `layout`, each token attending to its own sequence. Returns the output and the attention weights
-    (eager attention only; else None)."""
+    """Multi-head self-attention on the rows of a layout (layouts.py): (B, T, H), or the (P, H) rows of a padding-free
+    layout, each token attending to its own sequence. Returns the output and the attention weights (eager attention
+    only; else None)."""
 
     is_causal = False  # read by transformers' attention functions
 
@@ -133,25 +117,17 @@ class BertImplSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, self.all_head_size)
         self.dropout = nn.Dropout(config.attention_probs_dropout_prob)
 
-    def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None,
-                output_attentions: bool = False, cache=None, **kwargs):
-        """cache: a transformers `Cache` holding C keys and values of each layer (prefix tuning's virtual tokens),
-        attended ahead of the tokens' own, as transformers' BERT does; padded path only. It is read, not extended (an
-        encoder generates nothing), so a layer recomputed by gradient checkpointing reads the same keys."""
+    def forward(self, hidden_states, attention_mask=None, layout=STANDALONE, **kwargs):
+        """attention_mask: stock's argument, the padded layout's mask (None on the padding-free layouts, whose
+        sequences are their own). The padded layout attends through transformers' attention function of its
+        implementation (attention maps ask for eager); the padding-free ones through their own kernels."""
         shape = (*hidden_states.shape[:-1], self.num_attention_heads, self.attention_head_size)  # (..., N, D)
         q, k, v = (proj(hidden_states).view(shape) for proj in (self.query, self.key, self.value))
         dropout = self.dropout.p if self.training else 0.0
-        if layout is not None:  # (P, N, D) each
-            return layout.attend(q, k, v, self.scaling, dropout).flatten(-2), None  # (P, H)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, N, T, D)
-        if cache is not None:
-            cached = cache.layers[self.layer_idx]
-            k, v = torch.cat([cached.keys, k], 2), torch.cat([cached.values, v], 2)  # (B, N, C + T, D)
-        # Attention maps exist only on the eager path; asking for them selects it for this call.
-        implementation = "eager" if output_attentions else self.config._attn_implementation
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        y, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=dropout)  # (B, T, N, D)
-        return y.reshape(hidden_states.shape).contiguous(), weights  # (B, T, H)
+        implementation = layout.implementation or self.config._attn_implementation
+        function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        y, weights = layout.attend(self, q, k, v, attention_mask, dropout, function)  # (..., N, D)
+        return y.flatten(-2), weights  # (..., H)
 
 
 class BertImplSelfOutput(nn.Module):
@@ -173,7 +149,7 @@ class BertImplAttention(nn.Module):
         self.self = BertImplSelfAttention(config, layer_idx)
         self.output = BertImplSelfOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, layout=STANDALONE, **kwargs):
         attention_output, weights = self.self(hidden_states, attention_mask=attention_mask, layout=layout, **kwargs)
         return self.output(attention_output, hidden_states), weights
 
@@ -188,19 +164,25 @@ class BertImplIntermediate(nn.Module):
         return self.intermediate_act_fn(self.dense(hidden_states))
 
 
-class BertImplOutput(BertImplSelfOutput):
-    """LayerNorm(x + dropout(dense(intermediate))): the feed-forward's second product back to H."""
+class BertImplOutput(nn.Module):
+    """LayerNorm(x + dropout(dense(intermediate))): the feed-forward's second product back to H. Its own class, as
+    stock's BertOutput is, so that a patch of one of the two reaches what it reaches in stock."""
 
     def __init__(self, config: BertImplConfig):
-        super().__init__(config)
+        super().__init__()
         self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = BertImplDropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states, input_tensor):
+        return self.LayerNorm(self.dropout(self.dense(hidden_states)) + input_tensor)
 
 
 class BertImplLayer(GradientCheckpointingLayer):
-    """Post-LN Transformer layer: attention, then the feed-forward, each with its residual and LayerNorm. (B, T, H) or
-    the (P, H) rows of a padding-free `layout` -> the same shape."""
+    """Post-LN Transformer layer: attention, then the feed-forward, each with its residual and LayerNorm, on the rows
+    of a layout: (B, T, H) or (P, H) -> the same shape."""
 
-    _can_checkpoint_with_cache = True  # read by transformers' gradient checkpointing: the cache is only read
+    _can_checkpoint_with_cache = True  # read by transformers' gradient checkpointing: a layout's cache is only read
 
     def __init__(self, config: BertImplConfig, layer_idx: int | None = None):
         super().__init__()
@@ -208,14 +190,14 @@ class BertImplLayer(GradientCheckpointingLayer):
         self.intermediate = BertImplIntermediate(config)
         self.output = BertImplOutput(config)
 
-    def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, layout=STANDALONE, **kwargs):
         attention_output, _ = self.attention(hidden_states, attention_mask, layout=layout, **kwargs)
         return self.output(self.intermediate(attention_output), attention_output)
 
 
 class BertImplEncoder(nn.Module):
-    """The layers in turn. hidden_states (B, T, H); with a padding-free `layout` they run on its (P, H) rows, unpadded
-    here once and re-padded once at the end. Every hidden state returned is (B, T, H) with zeros at padding."""
+    """The layers in turn, on the rows of a layout: hidden_states (B, T, H) enter it once and leave it once. Every
+    hidden state returned is (B, T, H) with zeros at padding."""
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
@@ -223,80 +205,20 @@ class BertImplEncoder(nn.Module):
         self.layer = nn.ModuleList(BertImplLayer(config, i) for i in range(config.num_hidden_layers))
         self.gradient_checkpointing = False
 
-    def forward(self, hidden_states, attention_mask=None, layout: UnpaddedLayout | None = None,
-                padding: torch.Tensor | None = None, output_hidden_states: bool = False, **kwargs) -> BaseModelOutput:
-        """padding: (B, T, 1) bool, True at the padding positions of the padded path's stream, or None. No real token
-        reads a padding position, so zeroing them changes nothing else; where every layer's hidden states are
-        returned, that is done in the stream itself, so that they are the tensors the next layer reads (retain_grad on
-        them works)."""
-        x = hidden_states if layout is None else layout.unpad(hidden_states)  # (B, T, H) or (P, H)
+    def forward(self, hidden_states, attention_mask=None, layout=STANDALONE, output_hidden_states: bool = False,
+                **kwargs) -> BaseModelOutput:
+        """With `output_hidden_states` the rows leave before each layer, and the next layer reads what is returned
+        (retain_grad on it works)."""
+        x = layout.enter(hidden_states)  # (B, T, H) or (P, H)
         all_hidden = []
         for layer in self.layer:
             if output_hidden_states:
-                x = zero_padding(x, padding)
-                all_hidden.append(x if layout is None else layout.repad(x))
+                all_hidden.append(layout.leave(x))  # (B, T, H)
+                x = layout.enter(all_hidden[-1])
             x = layer(x, attention_mask, layout=layout, **kwargs)
-        x = zero_padding(x, padding)
-        last = x if layout is None else layout.repad(x)  # (B, T, H)
+        last = layout.leave(x)  # (B, T, H)
         return BaseModelOutput(last_hidden_state=last,
                                hidden_states=(*all_hidden, last) if output_hidden_states else None)
-
-
-# Where the code that runs inside the encoder on every call comes from when it reads no layout: torch itself (FSDP2,
-# parametrizations), transformers (output capturing), the frameworks that hook every module (accelerate, DeepSpeed
-# ZeRO-3), PEFT's tuner layers and quantized linears, and this package.
-FRAMEWORKS = {"torch", "transformers", "accelerate", "deepspeed", "peft", "bitsandbytes", "torchao",
-              __name__.split(".")[0]}
-HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-# Frameworks' layers that compute over the whole (B, T, H) batch, so that they need its layout: peft's Poly (each
-# example through its own mix of LoRA modules) and Lily (its router averaged over every position, padding included).
-BATCH_LAYOUT_LAYERS = ("peft.tuners.poly.", "peft.tuners.lily.")
-
-
-def origin(thing) -> str:
-    """The top-level package a hook function (or a class) was defined in."""
-    thing = thing.func if isinstance(thing, functools.partial) else thing
-    return (getattr(thing, "__module__", None) or type(thing).__module__ or "").partition(".")[0]
-
-
-def foreign_hook(hooks: dict) -> str | None:
-    """The package of the first hook in `hooks` (a module's hook dict) that is not a framework's, or None."""
-    return next((package for hook in hooks.values() if (package := origin(hook)) not in FRAMEWORKS), None)
-
-
-def looking_inside(encoder: nn.Module) -> str | None:
-    """What of the user's can observe or change the tensors between the encoder's modules, or None: a hook of theirs
-    on one of its modules (or on every module: a global hook), a submodule of a class of theirs, or a framework's layer
-    that computes over the whole batch (`BATCH_LAYOUT_LAYERS`). Runs at each call with padding, so it takes one Python
-    step per module and does the rest in C."""
-    from torch.nn.modules import module as torch_module
-
-    for kind in HOOKS:
-        if package := foreign_hook(getattr(torch_module, f"_global{kind}")):
-            return f"a global module hook ({kind[1:-1].replace('_', ' ')}) from {package!r}"
-    modules = [encoder]
-    for module in modules:  # grows as it goes: every submodule once (nn.Module.modules() takes several times as long)
-        if module is not None:  # an empty submodule slot
-            modules.extend(module._modules.values())
-    modules = list(filter(functools.partial(operator.is_not, None), modules))
-    for cls in set(map(type, modules)):
-        if origin(cls) not in FRAMEWORKS or cls.__module__.startswith(BATCH_LAYOUT_LAYERS):
-            module = next(m for m in modules if type(m) is cls)
-            return f"`{name_in(encoder, module)}` is a {cls.__name__} (from {cls.__module__!r})"
-    for kind in HOOKS:
-        for module in filter(operator.attrgetter(kind), modules):  # the modules with such hooks
-            if package := foreign_hook(getattr(module, kind)):
-                return f"`{name_in(encoder, module)}` has a {kind[1:-1].replace('_', ' ')} from {package!r}"
-    return None
-
-
-def name_in(encoder: nn.Module, module: nn.Module) -> str:
-    return next(name for name, m in encoder.named_modules(prefix="encoder") if m is module)
-
-
-def zero_padding(x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
-    """x with zeros where `padding` (broadcastable bool) is True; x itself without one."""
-    return x if padding is None else x.masked_fill(padding, 0)
 
 
 class BertImplPooler(nn.Module):
@@ -441,8 +363,8 @@ class BertImplPreTrainedModel(PreTrainedModel):
     base_model_prefix = "bert"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    # The padded path's attention goes through transformers' attention functions with a mask made by its mask
-    # interface for each (see BertImplModel._padded_attention_mask); the padding-free path through bert_padding.py.
+    # The padded layout's attention goes through transformers' attention functions with a mask made by its mask
+    # interface for each (layouts.stock_mask); the padding-free layouts' through bert_padding.py's kernels.
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_flash_attn = True
@@ -585,85 +507,18 @@ class BertImplModel(BertImplPreTrainedModel):
         """
         output_attentions = config_default(output_attentions, self.config.output_attentions)
         output_hidden_states = config_default(output_hidden_states, self.config.output_hidden_states)
-        cache = config_default(cache, past_key_values)
-        C = cache.get_seq_length() if cache is not None else 0  # cached keys ahead of the tokens (prefix tuning)
-        attention_mask, cache_checks = split_cache_mask(attention_mask, C, input_ids, inputs_embeds)  # (B, T)
-        B, T, facts = check_inputs(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                   cu_seq_lens_q, cu_seq_lens_k, seq_idx, [*cache_checks, *(label_checks or ())])
-        path = choose_path(self.config, facts, self.embeddings.word_embeddings.weight.device, output_attentions, C,
-                           functools.partial(looking_inside, self.encoder))
-        packs = (cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, facts.num_sequences)
-                 if path.packed else None)  # (S + 1,)
-        if packs is not None and position_ids is None:
-            position_ids = packed_position_ids(packs, T)  # (1, T)
-
-        x = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds, cache_length=C)  # (B, T, H)
-        layout = UnpaddedLayout.build(attention_mask, packs, (B, T), facts.nnz, facts.max_seqlen or max_length_q,
-                                      x.dtype, x.device, bucketed=path.bucketed) if path.unpadded else None
-        implementation = "eager" if output_attentions else self.config._attn_implementation  # as attention picks
-        mask = None if path.unpadded else self._padded_attention_mask(
-            x, attention_mask, packs, implementation, path.padded, C)
-        padded_stream = not path.unpadded and attention_mask is not None and path.padded is not False  # None: traced
-        padding = (attention_mask == 0).unsqueeze(-1) if padded_stream else None  # (B, T, 1)
-        encoded = self.encoder(x, mask, layout=layout, padding=padding, output_hidden_states=output_hidden_states,
-                               output_attentions=output_attentions, cache=cache)
+        batch = read_batch(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                           cu_seq_lens_q, cu_seq_lens_k, max_length_q, seq_idx, config_default(cache, past_key_values),
+                           label_checks or ())
+        x = self.embeddings(input_ids, token_type_ids, batch.position_ids, inputs_embeds,
+                            cache_length=batch.cache_length)  # (B, T, H)
+        layout = choose_layout(self.config, batch, x, self.encoder, output_attentions)
+        encoded = self.encoder(x, layout.attention_mask, layout=layout, output_hidden_states=output_hidden_states,
+                               output_attentions=output_attentions)
         last = encoded.last_hidden_state  # (B, T, H)
-        cls = self._first_tokens(last, attention_mask, packs, path.padded)  # (S, 1, H) or (B, T, H)
-        pooled = self.pooler(cls) if self.pooler is not None else None
+        pooled = self.pooler(layout.first_tokens(last)) if self.pooler is not None else None  # (S, H)
         return BaseModelOutputWithPooling(last_hidden_state=last, pooler_output=pooled,
                                           hidden_states=encoded.hidden_states)
-
-    @staticmethod
-    def _first_tokens(last, attention_mask, packs, padded: bool | None):
-        """What the pooler reads: each sequence's first real token ([CLS]), (S, 1, H); a row of padding only gives its
-        first position (zeros). last: (B, T, H)."""
-        if packs is not None:
-            return last[0, packs[:-1].long()][:, None]  # (S, 1, H)
-        if attention_mask is None or padded is False:  # padded None: traced, the mask decides
-            return last
-        first = (attention_mask != 0).int().argmax(-1)  # (B,)
-        return last[torch.arange(last.shape[0], device=last.device), first][:, None]  # (B, 1, H)
-
-    def _padded_attention_mask(self, x, attention_mask, packed_cu_seqlens, implementation: str,
-                               padding: bool | None = None, cache_length: int = 0):
-        """The padded path's mask for x (B, T, H), made by transformers' mask interface in the form the attention
-        implementation takes: additive float (B, 1, T, T) for eager (masked scores at the dtype's minimum, so a row
-        that is all padding still gives finite, uniform attention), bool for sdpa, a BlockMask for flex attention, the
-        (B, T) mask for flash attention; None when nothing is masked. A packed batch (`packed_cu_seqlens`, no padding)
-        attends block-diagonally: each token to its own sequence only. `padding`: whether the batch has padding, as
-        the forward's one host read found (None when traced): knowing it, transformers need not look into the mask for
-        itself (a second host-device sync). `cache_length`: C cached keys ahead of the T tokens' (prefix tuning),
-        always attended: the mask is then over C + T keys.
-
-        sdpa without packing: the padding mask as it is, bool (B, 1, 1, T), the same for every query (SDPA broadcasts
-        it), instead of transformers' copy of it for each query, (B, 1, T, T)."""
-        B, T = x.shape[:2]
-        if cache_length and packed_cu_seqlens is not None:
-            raise ValueError("cached keys (cache / past_key_values, prefix tuning) need a padded batch, not a packed one")
-        if padding is False:
-            attention_mask = None  # all ones: nothing to mask but, for a packed batch, the sequence boundaries
-        if attention_mask is None and packed_cu_seqlens is None:
-            return None  # said here: under torch.export transformers would make an all-True mask for sdpa
-        mask_function, skip_if_unmasked = bidirectional_mask_function, padding is not True
-        if packed_cu_seqlens is not None:
-            if implementation.startswith("flash_attention"):
-                raise ValueError(
-                    f"{implementation} takes a packed batch on the unpadded path only: set config.unpad_inputs=True"
-                )
-            segment = torch.bucketize(torch.arange(T, device=x.device), packed_cu_seqlens[1:].long(), right=True)
-            mask_function = and_masks(mask_function, packed_sequence_mask_function(segment[None]))  # (1, T) ids
-            skip_if_unmasked = False
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(device=x.device, dtype=torch.bool)  # (B, T)
-            if cache_length:
-                attention_mask = torch.cat([attention_mask.new_ones(B, cache_length), attention_mask], -1)  # (B, C + T)
-            if implementation == "sdpa" and packed_cu_seqlens is None:
-                return attention_mask[:, None, None, :]  # (B, 1, 1, C + T)
-        return ALL_MASK_ATTENTION_FUNCTIONS[implementation](
-            batch_size=B, q_length=T, kv_length=cache_length + T, mask_function=mask_function,
-            attention_mask=attention_mask, allow_is_causal_skip=False, allow_is_bidirectional_skip=skip_if_unmasked,
-            dtype=x.dtype, device=x.device, config=self.config,
-        )
 
 
 @dataclass
@@ -913,3 +768,4 @@ AUTO_CLASSES = {
 for _auto_class, _model_class in AUTO_CLASSES.items():
     _model_class.register_for_auto_class(_auto_class)
 BertImplConfig.register_for_auto_class()
+remember_forwards(globals())  # the module classes' own forwards, to tell a patch of them (layouts.looking_inside)

@@ -133,22 +133,25 @@ def assert_same_state(model, state):
 
 @contextlib.contextmanager
 def layouts_built(model):
-    """A list that gets one entry per forward of `model` in the block that ran the padding-free layout (a call on the
-    padded path builds none): a spy on `UnpaddedLayout.build` of the model's own code (a `trust_remote_code` copy has
-    its own), which changes nothing the model computes, unlike a hook."""
-    layout_class = sys.modules[type(model.base_model).forward.__module__].UnpaddedLayout  # the module of its forward
-    original = layout_class.__dict__["build"]
+    """A list that gets one entry, the batch's (B, T), per forward of `model` in the block that ran a padding-free
+    layout (a call on the padded layout adds none): a spy on `choose_layout` of the model's own code (a
+    `trust_remote_code` copy has its own), which changes nothing the model computes, unlike a hook."""
+    model_file = sys.modules[type(model.base_model).forward.__module__]  # the module of its forward
+    original = model_file.choose_layout
+    padded = sys.modules[original.__module__].PaddedLayout
     built = []
 
-    def build(cls, *args, **kwargs):
-        built.append(args[2])  # the padded batch's (B, T)
-        return original.__get__(None, cls)(*args, **kwargs)
+    def choose_layout(config, batch, *args, **kwargs):
+        layout = original(config, batch, *args, **kwargs)
+        if not isinstance(layout, padded):
+            built.append(batch.shape)
+        return layout
 
-    layout_class.build = classmethod(build)
+    model_file.choose_layout = choose_layout
     try:
         yield built
     finally:
-        layout_class.build = original
+        model_file.choose_layout = original
 
 
 def max_diff(a, b) -> float:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling_bert_impl import bert_padding
+from modeling_bert_impl import bert_padding, layouts
 from modeling_bert_impl.dropout import BITS, BertImplDropout, dropout, keep_mask
 
 N = 1 << 22  # elements: the keep rate's standard error is below 2.5e-4
@@ -65,12 +65,11 @@ def test_padding_free_attention_dropout_averages_to_the_attention_without_it():
     mask = torch.zeros(3, 7, dtype=torch.bool)
     for i, n in enumerate(lengths):
         mask[i, :n] = True
-    layout = bert_padding.UnpaddedLayout.build(mask, None, (3, 7), sum(lengths), 7, torch.float32, torch.device("cpu"),
-                                               bucketed=True)
-    P = layout.unpad(torch.zeros(3, 7, 1)).shape[0]
+    layout = layouts.BucketedLayout.of_tokens(*bert_padding.unpad_indices(mask, sum(lengths)), (3, 7), torch.float32)
+    P = layout.enter(torch.zeros(3, 7, 1)).shape[0]
     q, k, v = (torch.randn(P, 2, 4) for _ in range(3))  # (P, N, D)
-    exact = layout.attend(q, k, v, 0.5, 0.0)
-    runs = torch.stack([layout.attend(q, k, v, 0.5, 0.2) for _ in range(400)])  # (400, P, N, D)
+    exact = layout.kernel(q, k, v, None, 0.5, 0.0)
+    runs = torch.stack([layout.kernel(q, k, v, None, 0.5, 0.2) for _ in range(400)])  # (400, P, N, D)
     assert (runs[0] - exact).abs().max() > 1e-3
     error = 4 * runs.std(0) / math.sqrt(len(runs)) + 1e-6
     assert ((runs.mean(0) - exact).abs() < error).float().mean() > 0.99

@@ -139,12 +139,10 @@ def test_every_class_exports_with_dynamic_shapes_and_runs_in_onnxruntime(name, t
 
 
 def exact_layout(monkeypatch):
-    """Make the unpadded encoder take the exact layout (P = nnz, the varlen kernel) on CPU too."""
-    from modeling_bert_impl.bert_padding import UnpaddedLayout
+    """Make the padding-free encoder take the exact layout (P = nnz, the varlen kernel) on CPU too."""
+    from modeling_bert_impl import layouts
 
-    build = UnpaddedLayout.build.__func__
-    monkeypatch.setattr(UnpaddedLayout, "build", classmethod(lambda cls, *a, bucketed, **k: build(cls, *a, **k,
-                                                                                                    bucketed=False)))
+    monkeypatch.setattr(layouts, "bucketed", lambda x: False)
 
 
 @pytest.mark.parametrize("name", CLASSES)

@@ -40,7 +40,7 @@ PACKAGE_DIR = Path(bi.__file__).parent
 # A saved folder carries the checkpoint's code only: no file of the CPU inference engine (inference/).
 CODE_FILES = [
     "modeling_bert_impl.py", "configuration_bert_impl.py", "bert_padding.py", "input_checks.py", "dropout.py",
-    "paths.py", "stock_format.py",
+    "layouts.py", "stock_format.py",
 ]
 MODEL_FILES = {"model.safetensors", "config.json", "README.md", *CODE_FILES}
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenization_bert_impl.py", "README.md"}

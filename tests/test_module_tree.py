@@ -15,6 +15,8 @@ embeddings return (B, T, H) always. Which layout ran is seen through `helpers.la
 changes nothing."""
 
 import contextlib
+import functools
+import types
 from pathlib import Path
 
 import pytest
@@ -324,7 +326,7 @@ def test_hooks_inside_the_encoder_see_the_padded_layout_unless_unpad_inputs_is_t
     shapes = {}
     hook = lambda m, args, out: shapes.setdefault(key, []).append((tuple(args[0].shape), tuple(out.shape)))  # noqa
     model.bert.encoder.layer[2].register_forward_hook(hook)
-    logger = transformers.logging.get_logger(bi.paths.__name__)
+    logger = transformers.logging.get_logger(bi.layouts.__name__)
     logger.warning_once.cache_clear()
     for key, inputs, unpad in (("padded", padded, None), ("padded, again", padded, None),
                                ("padded, unpad_inputs=False", padded, False),
@@ -521,6 +523,134 @@ def test_captum_grad_cam_on_a_layer_of_a_padded_batch(kind, stock_dir, our_dir, 
         padded["input_ids"], additional_forward_args=(padded["attention_mask"],)) for model in (stock, ours))
     assert got.shape == expected.shape and got.shape[0] == padded["input_ids"].shape[0]
     assert got.abs().max() > 0 and max_diff(got, expected) < TOL
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Other ways of changing what runs inside: a forward replaced on a module or on a class, accelerate's hooks
+# ---------------------------------------------------------------------------------------------------------------------
+def shift_first_feature(y, seen: list):
+    """What the edits below do to a (B, T, H) output: record its shape, add 1 at position 0 of every row ([CLS]).
+    On the padding-free (P, H) rows the same line would shift every token's first feature instead."""
+    seen.append(tuple(y.shape))
+    y = y.clone()
+    y[:, 0] += 1.0
+    return y
+
+
+def replace_instance_forward(model, seen):
+    """Steering without hooks: `layer.output.forward = types.MethodType(f, layer.output)`, f calling the original."""
+    output = model.bert.encoder.layer[2].output
+    original = output.forward
+    output.forward = types.MethodType(lambda self, h, x: shift_first_feature(original(h, x), seen), output)
+    return lambda: None
+
+
+def patch_class_forward(model, seen):
+    """`BertSelfOutput.forward = f` on the model's own class of `attention.output` (stock's, ours, or a remote
+    copy's), f calling the original; undone by the returned function."""
+    cls = type(model.bert.encoder.layer[0].attention.output)
+    original = cls.forward
+    cls.forward = lambda self, h, x: shift_first_feature(original(self, h, x), seen)
+    return lambda: setattr(cls, "forward", original)
+
+
+def add_accelerate_hook(model, seen):
+    """accelerate's `add_hook_to_module(layer, MyHook())`, a user's ModelHook subclass changing the layer's output."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class ShiftFirstFeature(ModelHook):
+        def post_forward(self, module, output):
+            return shift_first_feature(output, seen)
+
+    add_hook_to_module(model.bert.encoder.layer[3], ShiftFirstFeature())
+    return lambda: None
+
+
+EDITS = {"instance forward": replace_instance_forward, "class forward": patch_class_forward,
+         "accelerate hook": add_accelerate_hook}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+@pytest.mark.parametrize("kind", [*OURS, "remote"])
+def test_a_replaced_forward_or_an_accelerate_hook_sees_stock_tensors_on_a_padded_batch(kind, edit, stock_dir,
+                                                                                       our_dir, padded):
+    """Each way of changing a module's computation without a torch hook, done the same way on stock and on ours, on
+    the padded batch with the default config: it sees stock's (B, T, H) tensors as often as on stock, the logits are
+    stock's with the same edit (and differ from the unedited ones), and the once-said log line names what it saw.
+    These edits met the padding-free (P, H) rows silently (logits 1.2e-2 to 2.9e-2 off)."""
+    from transformers.testing_utils import CaptureLogger
+
+    results = {}
+    for name in ("stock", kind):
+        model, seen = load(name, stock_dir, our_dir), []
+        with torch.no_grad():
+            plain = model(**padded).logits
+            undo = EDITS[edit](model, seen)
+            logger = transformers.logging.get_logger(bi.layouts.__name__)
+            logger.warning_once.cache_clear()
+            try:
+                with CaptureLogger(logger) as captured:
+                    results[name] = model(**padded).logits, seen, captured.out
+            finally:
+                undo()
+    (expected, stock_seen, _), (got, our_seen, log) = results["stock"], results[kind]
+    assert our_seen == stock_seen and stock_seen[0] == (*padded["input_ids"].shape, 384)
+    assert max_diff(got, expected) < TOL
+    assert max_diff(expected, plain) > 1e-3  # the edit changed the answer
+    assert "calls with padding run the padded layout" in log
+    assert {"instance forward": "`encoder.layer.2.output` has a forward set on the module",
+            "class forward": "SelfOutput.forward was replaced",
+            "accelerate hook": "an accelerate hook ShiftFirstFeature"}[edit] in log
+
+
+def counting(forward, counts: list):
+    """`forward` wrapped to count its calls, as a user's class patch wraps it (functools.wraps keeps its names)."""
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        counts.append(type(self).__name__)
+        return forward(self, *args, **kwargs)
+    return wrapper
+
+
+@pytest.mark.parametrize("kind", [*OURS, "remote"])
+def test_a_patch_of_each_stock_named_class_runs_as_often_as_in_stock(kind, stock_dir, our_dir, padded):
+    """Each class of stock's module tree (BertEmbeddings, BertLayer, BertSelfOutput, BertOutput, ...) patched with a
+    counting wrapper, one at a time, and its counterpart on ours (the class at the same path): the patch runs as many
+    times per forward on the padded batch as on stock (BertOutput and BertSelfOutput are separate classes: a patch of
+    one does not reach the other), and the logits are stock's."""
+    stock, ours = load("stock", stock_dir, our_dir), load(kind, stock_dir, our_dir)
+    classes = {}  # stock's class -> ours, by path
+    for path, module in stock.named_modules():
+        if type(module).__module__ == transformers.models.bert.modeling_bert.__name__ and path:
+            classes.setdefault(type(module), type(ours.get_submodule(path)))
+    assert {cls.__name__ for cls in classes} >= {"BertSelfOutput", "BertOutput", "BertLayer", "BertEmbeddings"}
+    for stock_class, our_class in classes.items():
+        calls, logits = {}, {}
+        for name, model, cls in (("stock", stock, stock_class), (kind, ours, our_class)):
+            original, calls[name] = cls.forward, []
+            cls.forward = counting(original, calls[name])
+            try:
+                with torch.no_grad():
+                    logits[name] = model(**padded).logits
+            finally:
+                cls.forward = original
+        assert len(calls[kind]) == len(calls["stock"]) > 0, (stock_class.__name__, calls)
+        assert max_diff(logits[kind], logits["stock"]) < TOL, stock_class.__name__
+
+
+def test_accelerate_offload_hooks_keep_the_padding_free_layout(stock_dir, our_dir, padded):
+    """accelerate's own hooks (`cpu_offload`: an AlignDevicesHook on every module, its weights brought in for each
+    call) are framework code: the padded batch stays padding-free, with stock's logits."""
+    import accelerate
+
+    stock, model = load("stock", stock_dir, our_dir), load("ours", stock_dir, our_dir)
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    assert "_hf_hook" in vars(model.bert.encoder.layer[0].output.dense) and "forward" in vars(model.bert.encoder)
+    with torch.no_grad(), layouts_built(model) as built:
+        got = model(**padded).logits
+        expected = stock(**padded).logits
+    assert built == [tuple(padded["input_ids"].shape)]
+    assert max_diff(got, expected) < TOL
 
 
 # ---------------------------------------------------------------------------------------------------------------------

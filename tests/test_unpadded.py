@@ -9,7 +9,7 @@ import transformers
 from transformers import BertModel, DataCollatorWithFlattening
 
 import modeling_bert_impl.bert_padding as bp
-from modeling_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining, BertImplModel
+from modeling_bert_impl import BertImplConfig, BertImplForMaskedLM, BertImplForPreTraining, BertImplModel, layouts
 from modeling_bert_impl.bert_padding import (
     bucketed_rows,
     cu_seqlens_from_markers,
@@ -20,6 +20,7 @@ from modeling_bert_impl.bert_padding import (
     unpad_indices,
 )
 from helpers import needs_tracing
+from modeling_bert_impl.input_checks import read_batch
 
 TOL = 1e-5
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
@@ -178,20 +179,28 @@ def test_minilm_unpadded_matches_transformers_and_eager(minilm):
     assert (got.pooler_output - eager.pooler_output)[nonempty].abs().max() <= TOL
 
 
+def read(config, **inputs) -> "layouts.Batch":
+    """The batch as the forward reads it (input_checks.read_batch)."""
+    names = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds", "cu_seq_lens_q",
+             "cu_seq_lens_k", "max_length_q", "seq_idx")
+    return read_batch(config, *(inputs.get(name) for name in names))
+
+
 def test_padded_sdpa_mask_is_transformers_for_every_query():
-    """The padded path's sdpa mask is the padding mask once, (B, 1, 1, T): broadcast over the queries it is the
+    """The padded layout's sdpa mask is the padding mask once, (B, 1, 1, T): broadcast over the queries it is the
     (B, 1, T, T) mask transformers' sdpa_mask writes out, padding-only row included; packed batches keep
     transformers' block-diagonal one."""
-    model = BertImplModel(BertImplConfig(**TINY))
+    config = BertImplConfig(**TINY)
     mask = mixed_batch(99, [9, 3, 0, 14, 6], left={3})["attention_mask"]  # (5, 14)
     x = torch.randn(*mask.shape, 32)
-    got = model._padded_attention_mask(x, mask, None, "sdpa", padding=True)
+    got = layouts.stock_mask(config, read(config, inputs_embeds=x, attention_mask=mask), x, "sdpa")
     expected = transformers.masking_utils.sdpa_mask(
         batch_size=5, q_length=14, kv_length=14, mask_function=transformers.masking_utils.bidirectional_mask_function,
         attention_mask=mask.bool(), allow_is_bidirectional_skip=False)
     assert got.shape == (5, 1, 1, 14) and expected.shape == (5, 1, 14, 14)
     assert torch.equal(got.expand(5, 1, 14, 14), expected)
-    packed = model._padded_attention_mask(x[:1], None, torch.tensor([0, 4, 14]), "sdpa", padding=False)
+    cu = torch.tensor([0, 4, 14], dtype=torch.int32)
+    packed = layouts.stock_mask(config, read(config, inputs_embeds=x[:1], cu_seq_lens_q=cu), x[:1], "sdpa")
     assert packed.shape == (1, 1, 14, 14) and not packed[0, 0, 0, 4] and packed[0, 0, 5, 4]
 
 
@@ -303,18 +312,23 @@ def test_layers_compile_without_graph_breaks():
     lengths = [5, 9, 2]
     cu_seqlens = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).int()
     x = torch.randn(sum(lengths), config.hidden_size)
-    rows, real, shapes = bucketed_rows(cu_seqlens, length_groups(lengths, 0), lengths)
-    inputs = {
-        "padded": (torch.randn(3, 9, config.hidden_size), model._padded_attention_mask(
-            torch.randn(3, 9, config.hidden_size), sequence_mask(cu_seqlens, 9).long(), None, "sdpa"), None),
-        "exact": (x, None, bp.VarlenBatch.build(cu_seqlens, 9, sum(lengths), torch.float32)),
-        "bucketed": (x[rows], None, bp.BucketedBatch(bp.additive_mask(real, x.dtype), shapes)),
+    tokens = torch.arange(sum(lengths))
+    padded = read(config, input_ids=torch.ones(3, 9, dtype=torch.long), attention_mask=sequence_mask(cu_seqlens, 9).long())
+    x_padded = torch.randn(3, 9, config.hidden_size)
+    stock = layouts.PaddedLayout.build(config, padded, x_padded, "sdpa")
+    exact = layouts.VarlenLayout(tokens, (3, 9), None, bp.VarlenBatch.build(cu_seqlens, 9, sum(lengths), torch.float32))
+    bucketed = layouts.BucketedLayout.of_tokens(tokens, cu_seqlens, (3, 9), torch.float32)
+    inputs = {  # a layer's arguments: its rows, stock's mask argument, the layout
+        "padded": (x_padded, stock.attention_mask, stock),
+        "exact": (x, None, exact),
+        "bucketed": (bucketed.enter(x[None]), None, bucketed),
     }
     for name, args in inputs.items():
         torch._dynamo.reset()
-        assert torch._dynamo.explain(layer)(*args).graph_break_count == 0, name
+        rows, mask, layout = args
+        assert torch._dynamo.explain(layer)(rows, mask, layout=layout).graph_break_count == 0, name
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-        assert (compiled(*args) - layer(*args)).abs().max() <= TOL, name
+        assert (compiled(rows, mask, layout=layout) - layer(rows, mask, layout=layout)).abs().max() <= TOL, name
 
 
 @pytest.mark.parametrize("unpad_inputs", [True, False])

@@ -42,8 +42,9 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from . import avx2_gemm
-from ..bert_padding import UnpaddedLayout
+from ..bert_padding import unpad_indices
 from ..input_checks import require_tracing_torch
+from ..layouts import BucketedLayout
 from ..modeling_bert_impl import BertImplModel
 from .anatomy import joined, layer_sites
 from .frozen_model import InferenceModule, ModuleTree, fix_weights, inference_class, inference_copy
@@ -417,19 +418,18 @@ class CompiledEncoder:
         to their longest (the encoder's CPU layout, bert_padding.py), the program run on each group (s_g, T_g), the
         outputs put back in place, zeros at padding, as the eager path gives them."""
         B, T = real.shape
-        layout = UnpaddedLayout.build(real, None, (B, T), int(real.sum()), None, torch.float32, real.device,
-                                      bucketed=True)
-        rows = [layout.unpad(t) for t in ids]  # each (P,)
-        rows_real = (layout.attention.key_mask == 0).long()  # (P,) 1 on the rows that hold a real token
+        layout = BucketedLayout.of_tokens(*unpad_indices(real, int(real.sum())), (B, T), torch.float32)
+        rows = [layout.enter(t) for t in ids]  # each (P,)
+        rows_real = (layout.key_mask == 0).long()  # (P,) 1 on the rows that hold a real token
         hidden, pooled, first, start = [], [], [], 0
-        for s, t, _ in layout.attention.shapes:
+        for s, t, _ in layout.shapes:
             group = slice(start, start + s * t)
             outputs = self.program(*(r[group].view(s, t) for r in rows), rows_real[group].view(s, t))
             hidden.append(outputs[0].flatten(0, 1))  # (s_g * T_g, H)
             pooled += outputs[1:]  # (s_g, H) where the model pools: each sequence's first row is its first token
             first.append(torch.arange(start, start + s * t, t))  # (s_g,) the rows that start a sequence
             start += s * t
-        outputs = [layout.repad(torch.cat(hidden))]  # (B, T, H)
+        outputs = [layout.leave(torch.cat(hidden))]  # (B, T, H)
         if pooled:  # (B, H) in the groups' order -> the batch's
             pooled, sequence = torch.cat(pooled), layout.grid[torch.cat(first)] // T
             outputs.append(torch.empty_like(pooled).index_copy_(0, sequence, pooled))

@@ -8,11 +8,11 @@ arithmetic with less of that: one product for query, key and value (their weight
 model is made), no module calls, the residual sums inside the products (oneDNN's binary post-op), the GELU inside the
 first feed-forward product (on AVX-512: `packed_linear.fuse_gelu`), attention in one call of torch's kernel.
 
-`FusedEncoder` is the encoder of an inference model: it runs its layers that way wherever that computes what the
-layers would (CPU float32 inference, no padding mask to apply: a dense batch, or the padding-free layout; no hidden
-states or attention maps asked for; nothing hooked or replaced since it was made), a dense batch a group of sequences
-at a time (`fused_encoder`), and calls the layers as modules everywhere else. Outputs equal the layers' own to
-float32 rounding (tests/test_serving.py).
+`FusedEncoder` is the encoder of an inference model: it runs its layers that way, on any layout (layouts.py: each
+has the attention `kernel` its rows take), wherever that computes what the layers would (CPU float32 inference, the
+sdpa or eager implementation, no hidden states, attention maps or cached keys asked for; nothing hooked, replaced or
+patched), a dense batch a group of sequences at a time (`fused_encoder`), and calls the layers as modules everywhere
+else. Outputs equal the layers' own to float32 rounding (tests/test_serving.py).
 """
 
 from typing import Callable, NamedTuple
@@ -22,12 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 
+from ..layouts import STANDALONE
 from ..modeling_bert_impl import BertImplEncoder
 from .anatomy import joined, layer_sites
 from .frozen_model import InferenceModule, ModuleTree
 from .packed_linear import Frozen, cpu_inference, pack, packed_product
 
-UNMASKED_ATTENTION = ("sdpa", "eager")  # attention implementations whose arithmetic, with no mask, is softmax(q k^T) v
+UNMASKED_ATTENTION = ("sdpa", "eager")  # attention implementations whose masks SDPA takes (the layouts' `kernel`)
 # Tokens a dense batch's group of sequences may hold on its way through all the layers (`fused_encoder`): a group's
 # activations (its feed-forward's 2048 x 1536 floats: 12 MB) and a layer's weights then stay in a 32 MB L3 cache
 CHUNK_TOKENS = 2048
@@ -80,21 +81,18 @@ class FusedEncoder(InferenceModule, BertImplEncoder):
     products: list[LayerProducts]
     tree: ModuleTree
 
-    def forward(self, hidden_states, attention_mask=None, layout=None, padding=None, output_hidden_states=False,
+    def forward(self, hidden_states, attention_mask=None, layout=STANDALONE, output_hidden_states=False,
                 **kwargs) -> BaseModelOutput:
-        if not self.fusable(hidden_states, attention_mask, padding, output_hidden_states, kwargs):
-            return super().forward(hidden_states, attention_mask, layout=layout, padding=padding,
+        if not self.fusable(hidden_states, layout, output_hidden_states, kwargs):
+            return super().forward(hidden_states, attention_mask, layout=layout,
                                    output_hidden_states=output_hidden_states, **kwargs)
-        x = layout.unpad(hidden_states) if layout is not None else hidden_states  # (P, H) or (B, T, H)
-        x = fused_encoder(self.layer, x, self.products, layout)
-        return BaseModelOutput(last_hidden_state=layout.repad(x) if layout is not None else x)  # (B, T, H)
+        x = fused_encoder(self.layer, layout.enter(hidden_states), self.products, layout, attention_mask)
+        return BaseModelOutput(last_hidden_state=layout.leave(x))  # (B, T, H)
 
-    def fusable(self, x, attention_mask, padding, output_hidden_states, kwargs) -> bool:
-        """No mask to apply (a dense batch, or the padding-free layout), no hidden states, attention maps or cached
-        keys, an attention implementation whose arithmetic is `fused_layer`'s, CPU float32 inference, and the modules
-        as they were made (`ModuleTree`)."""
-        return (attention_mask is None and padding is None and not output_hidden_states
-                and not kwargs.get("output_attentions") and kwargs.get("cache") is None
+    def fusable(self, x, layout, output_hidden_states, kwargs) -> bool:
+        """No hidden states, attention maps or cached keys asked for, an attention implementation whose masks the
+        layouts' `kernel` takes, CPU float32 inference, and the modules as they were made (`ModuleTree`)."""
+        return (not output_hidden_states and not kwargs.get("output_attentions") and layout.cache is None
                 and self.config._attn_implementation in UNMASKED_ATTENTION
                 and cpu_inference(x) and self.tree.unchanged())
 
@@ -111,27 +109,22 @@ def group_size(T: int) -> int:
     return max(1, CHUNK_TOKENS // T)
 
 
-def fused_encoder(layers, x: torch.Tensor, products: list[LayerProducts], layout=None) -> torch.Tensor:
-    """`fused_layer` of each of `layers` in turn. A dense batch x (B, T, H) of more than CHUNK_TOKENS tokens goes
-    through all of them a group of `group_size(T)` sequences at a time (attention never crosses sequences), each
-    product's inputs and outputs staying in the cache."""
-    if layout is None and x.shape[0] > group_size(x.shape[1]):  # (B, T, H) -> groups (group, T, H)
-        return torch.cat([fused_encoder(layers, part, products) for part in x.split(group_size(x.shape[1]))])
+def fused_encoder(layers, x: torch.Tensor, products: list[LayerProducts], layout, attention_mask=None):
+    """`fused_layer` of each of `layers` in turn, on the rows of `layout`. A dense batch x (B, T, H) of more than
+    CHUNK_TOKENS tokens goes through all of them a group of `group_size(T)` sequences at a time (attention never
+    crosses sequences), each product's inputs and outputs staying in the cache."""
+    if x.dim() == 3 and attention_mask is None and x.shape[0] > group_size(x.shape[1]):  # (B, T, H) -> groups
+        return torch.cat([fused_encoder(layers, part, products, layout) for part in x.split(group_size(x.shape[1]))])
     for layer, layer_products in zip(layers, products):
-        x = fused_layer(layer, x, layer_products, layout)
+        x = fused_layer(layer, x, layer_products, layout, attention_mask)
     return x
 
 
-def fused_layer(layer, x: torch.Tensor, products: LayerProducts, layout=None) -> torch.Tensor:
-    """`layer(x, layout=layout)` in inference: x (B, T, H) with no padding, or (P, H) on an unpadded `layout`."""
+def fused_layer(layer, x: torch.Tensor, products: LayerProducts, layout, attention_mask=None) -> torch.Tensor:
+    """`layer(x, attention_mask, layout=layout)` in inference: x the rows of `layout`, (B, T, H) or (P, H)."""
     attention = layer.attention.self
-    heads, scaling = attention.num_attention_heads, attention.scaling
-    qkv = products.qkv(x)  # (..., 3H)
-    if layout is None:
-        y = dense_attention(qkv, heads, scaling)  # (B, T, H)
-    else:
-        q, k, v = qkv.unflatten(-1, (3, heads, attention.attention_head_size)).unbind(1)  # each (P, N, D)
-        y = layout.attend(q, k, v, scaling, 0.0).flatten(-2)  # (P, H)
+    qkv = products.qkv(x).unflatten(-1, (3, attention.num_attention_heads, attention.attention_head_size))
+    y = layout.kernel(*qkv.unbind(-3), attention_mask, attention.scaling, 0.0).flatten(-2)  # (..., H)
     # the norms' own forward, without the module call (the ModuleTree saw no hooks on them)
     x = layer.attention.output.LayerNorm.forward(products.out(y, residual=x))
     h = products.up(x, layer.intermediate.intermediate_act_fn)
