@@ -221,3 +221,26 @@ def test_sentence_transformers_folder_of_ours(minilm_dir, tmp_path, run_without_
     """)
     assert got["module"].startswith("transformers_modules.")
     assert max_diff(got["embeddings"], expected) < TOL
+
+
+def test_a_patch_of_a_stock_class_is_said_when_a_model_is_loaded_past_it(classifier_dir, patched, monkeypatch):
+    """After apply_bert_impl() the Auto classes build bert-impl's classes, which a patch of transformers' own class
+    does not reach: loading such a model says so once, naming stock's class and ours to patch instead (a wrapper made
+    with functools.wraps is told too); with no patch, nothing is said."""
+    import functools
+
+    from transformers.models.bert import modeling_bert
+    from transformers.testing_utils import CaptureLogger
+
+    logger = transformers.logging.get_logger(bi.integrations.patching.__name__)
+    logger.warning_once.cache_clear()
+    with CaptureLogger(logger) as unpatched:
+        AutoModelForSequenceClassification.from_pretrained(classifier_dir)
+    original = modeling_bert.BertSelfOutput.forward
+    monkeypatch.setattr(modeling_bert.BertSelfOutput, "forward", functools.wraps(original)(
+        lambda self, *args: original(self, *args)))
+    with CaptureLogger(logger) as said:
+        model = AutoModelForSequenceClassification.from_pretrained(classifier_dir)
+    assert isinstance(model, bi.BertImplForSequenceClassification)
+    assert unpatched.out == ""
+    assert "transformers' BertSelfOutput had its forward replaced" in said.out and "BertImplSelfOutput" in said.out

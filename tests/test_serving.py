@@ -441,7 +441,8 @@ def uncompiled_flex_attention(monkeypatch):
 
 def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir, monkeypatch):
     """Not fused: inputs that need gradients, attention maps asked for, a hook on a layer's module (the hook runs),
-    a global forward hook, a patched forward, flex attention; fused again when they are gone. PEFT adapters put on the
+    a global forward hook, a forward patched on a module or on one of the package's classes, flex attention; fused
+    again when they are gone. PEFT adapters put on the
     inference model replace modules: the layers run as modules, with the adapters (as on the plain model)."""
     plain = bi.BertImplModel.from_pretrained(minilm_dir).eval()
     model = optimize_for_inference(plain)
@@ -465,6 +466,11 @@ def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir, monke
         norm.forward = lambda x: torch.zeros_like(x)  # a patched forward
         patched = model(**inputs).last_hidden_state
         del norm.forward
+        output_class = type(model.encoder.layer[0].output)
+        original = output_class.forward
+        monkeypatch.setattr(output_class, "forward", lambda self, h, x: original(self, h, x) * 0.5)
+        class_patched = model(**inputs).last_hidden_state
+        monkeypatch.setattr(output_class, "forward", original)
         if bi.input_checks.TRACING_SUPPORTED:  # flex attention refuses below torch 2.13 (test_torch_versions.py)
             flex_calls = uncompiled_flex_attention(monkeypatch)
             model.set_attn_implementation("flex_attention")
@@ -472,7 +478,7 @@ def test_fused_layers_only_where_nothing_can_tell(fused_calls, minilm_dir, monke
             assert len(flex_calls) == model.config.num_hidden_layers
             model.set_attn_implementation("sdpa")
         assert len(fused_calls) == 6 and len(seen) == 1 and (hooked - expected).abs().max() < 1e-5
-        assert (patched - expected).abs().max() > 1e-3  # the patch ran
+        assert (patched - expected).abs().max() > 1e-3 and (class_patched - expected).abs().max() > 1e-3  # they ran
         model(**inputs)  # attention maps were asked for once: transformers' recording hooks do not count
     assert len(fused_calls) == 12
     adapted, adapted_plain = small_lora(model), small_lora(copy.deepcopy(plain))

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
 
+from ..layouts import DEFINED_FORWARDS
 from .packed_linear import bound_onednn_caches
 
 REFUSED = ("{what}: this is an inference model made by {engine}, whose weights were fixed then. Train (or load "
@@ -200,12 +201,18 @@ def refuse_loads(module: nn.Module, engine: str) -> None:
 class ModuleTree:
     """The modules below a root as they were when an inference path was built on them: `unchanged()` is False once a
     module or a parameter was replaced (PEFT's adapters, user code), a module set to training mode, a forward hook
-    registered on one or for every module, or a `forward` patched onto one, so that the path steps aside and the
-    modules run. transformers' own hooks that record attention maps are not counted (the paths step aside whenever
-    those are asked for). Each look is a few comparisons of lists, in C: no Python step per module."""
+    registered on one or for every module, or a `forward` set on one (accelerate's `add_hook_to_module` too), and
+    False while the `forward` of one of the package's classes in it is not the one the package defined (a patch
+    `BertImplSelfOutput.forward = f`, before the path was built or after), so that the path steps aside and the modules
+    run. transformers' own hooks that record attention maps are not counted (the paths step aside whenever those are
+    asked for). Each look is a few comparisons of lists, in C: no Python step per module."""
 
     def __init__(self, root: nn.Module):
         modules = list(root.modules())
+        # the package's classes among the modules' (their bases included), each with the forward it was defined with
+        defined = {k: DEFINED_FORWARDS[k] for cls in set(map(type, modules)) for k in cls.__mro__
+                   if k in DEFINED_FORWARDS}
+        self.classes, self.forwards = list(map(vars, defined)), list(defined.values())
         # the live dicts that are not empty (a module given a child or parameter where it had none computes the same)
         self.children = [d for m in modules for d in (m._modules, m._parameters) if d]
         self.built = [dict(children) for children in self.children]
@@ -214,6 +221,8 @@ class ModuleTree:
 
     def unchanged(self) -> bool:
         if not self.same_children() or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+            return False
+        if list(map(FORWARD, self.classes)) != self.forwards:  # by identity first: functions compare so
             return False
         if any(map(TRAINING, self.states)) or any(map(dict.__contains__, self.states, itertools.repeat("forward"))):
             return False
@@ -230,3 +239,4 @@ class ModuleTree:
 
 
 TRAINING = operator.itemgetter("training")
+FORWARD = operator.methodcaller("get", "forward")  # of a class's namespace

@@ -14,11 +14,17 @@ What such a model is:
   naming the stock class, no fields, code files or `auto_map` of ours, so the folder still loads in plain
   transformers;
 - a stock config that bert-impl does not implement (`is_decoder`, cross-attention, relative position embeddings)
-  still gets transformers' class.
+  still gets transformers' class;
+- its modules are bert-impl's classes (`BertImplSelfOutput` where stock has `BertSelfOutput`), so a patch of
+  transformers' own class does not reach it: said once when such a model is loaded (`patched_stock_classes`).
 
 Our own `bert_impl` folders are untouched by the call (they load into our classes either way).
 """
 
+import os
+
+from torch import nn
+import transformers
 from transformers import BertConfig, PreTrainedModel
 from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
@@ -28,6 +34,7 @@ from ..modeling_bert_impl import AUTO_CLASSES
 from ..stock_format import OUR_FIELDS, stock_name, write_stock_config
 
 logger = logging.get_logger(__name__)
+TRANSFORMERS_FOLDER = os.path.dirname(transformers.__file__) + os.sep
 
 
 def implements(config) -> bool:
@@ -37,6 +44,29 @@ def implements(config) -> bool:
         and not getattr(config, "add_cross_attention", False)
         and getattr(config, "position_embedding_type", "absolute") == "absolute"
     )
+
+
+def patched_stock_classes() -> list[str]:
+    """transformers' BERT module classes whose `forward` is no longer one transformers wrote (a patch of the user's),
+    by name. Told by the file the function's code is in, under transformers' folder (its decorators' wrappers
+    included) or not: a wrapper made with functools.wraps keeps the names, not the code."""
+    from transformers.models.bert import modeling_bert
+
+    code_file = lambda f: getattr(getattr(f, "__code__", None), "co_filename", "")  # noqa: E731
+    return [name for name, cls in vars(modeling_bert).items() if isinstance(cls, type) and issubclass(cls, nn.Module)
+            and cls.__module__ == modeling_bert.__name__ and "forward" in cls.__dict__
+            and not code_file(cls.__dict__["forward"]).startswith(TRANSFORMERS_FOLDER)]
+
+
+def say_stock_patches() -> None:
+    """Once: which patched stock classes a model built by the patched Auto classes does not run."""
+    patched = patched_stock_classes()
+    if patched:
+        ours = ", ".join(f"{name.replace('Bert', 'BertImpl', 1)}" for name in patched)
+        logger.warning_once(
+            f"transformers' {', '.join(patched)} had its forward replaced, and apply_bert_impl() builds bert-impl's "
+            f"classes, which that patch does not reach: patch modeling_bert_impl.modeling_bert_impl's {ours} for "
+            "the same change, or call revert_bert_impl() before loading to run transformers' BERT")
 
 
 class _OnStockConfig:
@@ -66,6 +96,7 @@ class _OnStockConfig:
         if config is not None and not implements(config):
             logger.info(f"bert-impl does not implement this BERT config; loading transformers' {cls.stock_name}")
             return cls._stock_class().from_pretrained(*args, config=config, **kwargs)
+        say_stock_patches()
         model = super().from_pretrained(*args, config=config, **kwargs)
         for field, value in ours.items():
             setattr(model.config, field, value)
@@ -75,6 +106,7 @@ class _OnStockConfig:
     def _from_config(cls, config, **kwargs):
         if not implements(config):
             return cls._stock_class()._from_config(config, **kwargs)
+        say_stock_patches()
         return super()._from_config(config, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
