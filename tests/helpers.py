@@ -4,6 +4,7 @@ mark, spies and comparisons."""
 import contextlib
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -159,3 +160,31 @@ def max_diff(a, b) -> float:
     a, b = torch.as_tensor(a), torch.as_tensor(b)
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()
+
+
+NUMPY_WRITES = {  # writes through NumPy, which no version counter sees
+    "+= through detach().numpy()": lambda t: t.detach().numpy().__iadd__(0.5),
+    "np.copyto into numpy()": lambda t: np.copyto(t.numpy(), 0),
+    "np.copyto into np.asarray": lambda t: np.copyto(np.asarray(t), 0),
+    "a row of a view": lambda t: np.copyto(t.detach().view(-1)[:4].numpy(), 0),
+    "the transpose of .data": lambda t: np.copyto(t.data.T.numpy(), 0),
+    "the state dict's tensor": lambda t: np.copyto(t.detach().contiguous().numpy(), 0),
+}
+
+
+def numpy_writes_are_refused(inference, model, write) -> None:
+    """`write` on four of the inference model's tensors (a norm's weight, the embeddings, a product's weight, the
+    position ids buffer) raises NumPy's ValueError; reading through NumPy works and a copy is writable; and the
+    answers after it, one sentence and a batch, are the model's (one set of weights)."""
+    weights = [inference.encoder.layer[0].output.LayerNorm.weight, inference.embeddings.word_embeddings.weight,
+               inference.encoder.layer[1].intermediate.dense.weight, inference.embeddings.position_ids]
+    for weight in weights:
+        with pytest.raises(ValueError, match="read-only"):
+            NUMPY_WRITES[write](weight)
+        assert np.array_equal(np.asarray(weight), weight.detach().clone().numpy())
+        copied = weight.detach().clone().numpy()
+        copied[...] = 0  # a copy is the user's
+    with torch.no_grad():
+        for shape in ((1, 9), (3, 9)):
+            ids = torch.randint(1, SMALL["vocab_size"], shape, generator=torch.Generator().manual_seed(5))
+            assert (inference(input_ids=ids).last_hidden_state - model(input_ids=ids).last_hidden_state).abs().max() < 1e-5

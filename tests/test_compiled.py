@@ -35,8 +35,8 @@ from modeling_bert_impl.inference.anatomy import encoder_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
-    HEADS, LAYOUTS, NAN_TOKEN, SMALL, layout_inputs, needs_tracing, output_tensors, small_ids, small_int8_model,
-    small_lora, small_model,
+    HEADS, LAYOUTS, NAN_TOKEN, SMALL, layout_inputs, needs_tracing, numpy_writes_are_refused, output_tensors,
+    small_ids, small_int8_model, small_lora, small_model,
 )
 
 pytestmark = needs_tracing
@@ -289,6 +289,16 @@ def test_a_weight_of_the_compiled_model_changed_in_place_is_refused_at_the_next_
         refusal = f"`{name}` was changed in place after compile_for_inference made this inference model"
         with pytest.raises(ValueError, match=re.escape(refusal)):
             model(**inputs)
+
+
+@pytest.mark.parametrize("write", ["np.copyto into numpy()", "a row of a view"])
+def test_a_write_through_numpy_into_the_compiled_model_is_refused(packages, encoder_state, write):
+    """The compiled model's weights are read-only to NumPy, as the other engines' are (test_serving.py): a write
+    through NumPy used to leave the program on the old weights while its eager path read the new ones, so that one
+    sentence and a batch disagreed."""
+    model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+    model.load_state_dict(encoder_state)
+    numpy_writes_are_refused(bi.compile_for_inference(model, packages[True]), model, write)
 
 
 REPLACEMENTS = {  # changes made to the compiled model itself: the eager path, with them

@@ -667,6 +667,12 @@ def test_the_encoder_forward_reads_like_transformers():
     assert decision_points(bi.modeling_bert_impl.BertImplEncoder.forward) <= 5  # 3 today
     assert set(input_checks.BatchFacts._fields) == {"marked", "packable", "mask_has_padding", "nnz", "max_seqlen",
                                                     "num_sequences"}  # what was read, no layout
+    # the compiled engine's eligibility: named reasons, each a function with its docstring, none of them long
+    from modeling_bert_impl.inference import compiled_encoder as compiled
+
+    reasons = [*compiled.STEP_ASIDE, compiled.program_ids, compiled.batch_positions, compiled.real_tokens]
+    assert all(reason.__doc__ for reason in reasons)
+    assert max(map(decision_points, reasons)) <= 10 and decision_points(compiled.CompiledBertImplModel.program_inputs) <= 2
     assert decision_points(lambda x: x if x and x > 1 else [y for y in x if y]) == 3  # the counter counts
 
 

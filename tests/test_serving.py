@@ -25,7 +25,8 @@ from modeling_bert_impl.inference.packed_linear import PackedLinear, pack, packe
 from modeling_bert_impl.inference.serving import optimize_for_inference
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
-    HEADS, LAYOUTS, SMALL, assert_same_state, layout_inputs, model_state, output_tensors, small_lora,
+    HEADS, LAYOUTS, NUMPY_WRITES, SMALL, assert_same_state, layout_inputs, model_state, numpy_writes_are_refused,
+    output_tensors, small_lora,
 )
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -194,6 +195,16 @@ def test_a_weight_changed_in_place_is_refused_at_the_next_call(engine, edit):
             copy.deepcopy(inference)(**inputs)
         again = getattr(bi, engine)(model, *([[inputs]] if engine == "quantize_for_inference" else []))
         assert (again(**inputs).logits - before).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("write", NUMPY_WRITES)
+def test_a_write_through_numpy_is_refused_and_the_answers_stay_one_set(write):
+    """An inference model's weights are read-only to NumPy (their views, slices and state dict too): a write through
+    NumPy, which no version counter sees, used to leave the packed products on the old values while LayerNorm and the
+    embeddings read the new ones. (The compiled model: tests/test_compiled.py.)"""
+    torch.manual_seed(0)
+    model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+    numpy_writes_are_refused(optimize_for_inference(model), model, write)
 
 
 def test_the_model_given_is_left_as_it_was(minilm_dir):

@@ -36,6 +36,7 @@ import math
 import os
 import tempfile
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -136,15 +137,15 @@ def check_metadata(found: dict, metadata: dict, package_path: str) -> None:
 class CompiledBertImplModel(InferenceModule, BertImplModel):
     """The encoder model of `compile_for_inference`'s inference model (made by swapping the class of the copy's
     BertImplModel for `compiled_class` of it): its forward runs the compiled program where it stands in for the model
-    (`CompiledEncoder`), the model's own forward elsewhere."""
+    (`program_inputs`), the model's own forward elsewhere."""
 
     # set by compile_for_inference: compiled_encoder (a CompiledEncoder, None to set it aside), program_tree
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 output_attentions=None, output_hidden_states=None, cu_seq_lens_q=None, seq_idx=None,
                 label_checks=None, return_dict=None, **kwargs):
-        inputs = self.program_inputs(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                     output_attentions, output_hidden_states, cu_seq_lens_q, seq_idx, label_checks,
-                                     kwargs)
+        call = Call(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
+                    output_hidden_states, cu_seq_lens_q, seq_idx, label_checks, kwargs)
+        inputs = self.program_inputs(call)
         if inputs is not None:
             out = model_output(*self.compiled_encoder(*inputs))  # the pooled output where the model pools
             return out if config_default(return_dict, self.config.return_dict) else out.to_tuple()
@@ -154,60 +155,127 @@ class CompiledBertImplModel(InferenceModule, BertImplModel):
                                output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                                cu_seq_lens_q=cu_seq_lens_q, seq_idx=seq_idx, label_checks=label_checks, **kwargs)
 
-    # Written for few Python steps (tensors made once per shape): after the program has streamed the weights through
-    # the caches, every Python step runs several times slower than in a loop.
-    def program_inputs(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
-                       output_hidden_states, cu_seq_lens_q, seq_idx, label_checks, kwargs) -> tuple | None:
-        """Where the program computes what the model would: its inputs, the ids, token types and positions, each (B, T)
-        int64, and the batch's real tokens (B, T) bool, None without padding. Elsewhere None, and the eager path
-        (`optimize_for_inference`'s) runs. Every reason for None is decided here, one test each."""
-        encoder, weight = self.compiled_encoder, self.embeddings.word_embeddings.weight
-        if encoder is None or not untraced():  # set aside, or traced or autocast
+    def program_inputs(self, call: "Call") -> tuple | None:
+        """Where the program computes what the model would: its inputs, the ids, token types and positions, each
+        (B, T) int64, and the batch's real tokens (B, T) bool, None without padding. Elsewhere None, and the eager path
+        (`optimize_for_inference`'s) runs: for one of the reasons of `STEP_ASIDE`, read from the call alone, or where
+        the values say so (`program_ids`)."""
+        if any(reason(self, call) for reason in STEP_ASIDE):
             return None
-        if inputs_embeds is not None or cu_seq_lens_q is not None or seq_idx is not None or kwargs:
-            return None  # embeddings, a packed batch, or an argument the program does not take (a cache, ...)
-        if (config_default(output_attentions, self.config.output_attentions) or label_checks
-                or config_default(output_hidden_states, self.config.output_hidden_states)):
-            return None  # outputs the program does not give; labels, which the eager path checks and names
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not self.program_tree.unchanged():
-            return None  # the modules not as compiled: converted, moved, hooked, replaced, in training mode
-        if input_ids is None or input_ids.dim() != 2 or input_ids.device.type != "cpu":
-            return None
-        B, T = input_ids.shape
-        if not 2 <= T <= encoder.max_length or B * T > encoder.max_tokens:
-            return None  # a length the program does not take, or more tokens than where it is faster (`token_limit`)
-        positions, zeros, ones = encoder.constants(B, T)
-        given = [(input_ids, self.config.vocab_size)]
-        if position_ids is None:
-            position_ids = positions
-        elif attention_mask is None and B == 1:
-            return None  # positions that restart would make it a packed batch: the eager path decides
-        else:
-            given.append((position_ids, self.config.max_position_embeddings))
-            if position_ids.shape != (B, T):
-                position_ids = position_ids.expand(B, T).contiguous() if position_ids.shape == (1, T) else None
-        if token_type_ids is None:
-            token_type_ids = zeros
-        else:
-            given.append((token_type_ids, self.config.type_vocab_size))
-        ids = (input_ids, token_type_ids, position_ids)
-        if position_ids is None or token_type_ids.shape != (B, T) or not all(map(CPU_INT64, ids)):
-            return None
-        mask = attention_mask
-        if mask is not None and (mask.shape != (B, T) or mask.device.type != "cpu"):
-            return None
-        real = None
-        if mask is not None and not torch.equal(mask, ones if mask.dtype == torch.int64 else ones.to(mask.dtype)):
-            if not encoder.padded_batches:
-                return None  # float32's padded batches: the eager path is as fast
-            real = mask != 0  # (B, T)
-            if not torch.equal(mask, real.to(mask.dtype)) or not real.any(-1).all():
-                return None  # a mask value the eager path refuses, or a row of padding only
-        # an id outside its table: the eager path names it (the program would fail its own check)
-        bounds = torch.stack([torch.stack(torch.aminmax(t)) for t, _ in given]).tolist()  # one read
-        if any(low < 0 or high >= size for (low, high), (_, size) in zip(bounds, given)):
-            return None
-        return ids, real
+        return program_ids(self, call)
+
+
+class Call(NamedTuple):
+    """A call of the compiled model's forward, as its eligibility reads it."""
+
+    input_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    token_type_ids: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    inputs_embeds: torch.Tensor | None
+    output_attentions: bool | None
+    output_hidden_states: bool | None
+    cu_seq_lens_q: torch.Tensor | None
+    seq_idx: torch.Tensor | None
+    label_checks: list | None
+    kwargs: dict
+
+
+# Why the eager path runs a call instead of the program, each read from the call and the model alone. Written for few
+# Python steps (tensors made once per shape): after the program has streamed the weights through the caches, every
+# Python step runs several times slower than in a loop.
+def set_aside(model, call: Call) -> bool:
+    """The program set aside (`compiled_encoder` None), or the call traced or under autocast."""
+    return model.compiled_encoder is None or not untraced()
+
+
+def other_inputs(model, call: Call) -> bool:
+    """Embeddings, a packed batch, or an argument the program does not take (a cache, ...)."""
+    return call.inputs_embeds is not None or call.cu_seq_lens_q is not None or call.seq_idx is not None or bool(
+        call.kwargs)
+
+
+def other_outputs(model, call: Call) -> bool:
+    """Attention maps or hidden states asked for, which the program does not give; labels, which the eager path
+    checks and names."""
+    config = model.config
+    return bool(config_default(call.output_attentions, config.output_attentions) or call.label_checks
+                or config_default(call.output_hidden_states, config.output_hidden_states))
+
+
+def other_modules(model, call: Call) -> bool:
+    """The modules not as compiled: weights converted or moved; modules hooked, replaced, patched or in training mode
+    (`ModuleTree`)."""
+    weight = model.embeddings.word_embeddings.weight
+    return weight.dtype != torch.float32 or weight.device.type != "cpu" or not model.program_tree.unchanged()
+
+
+def no_cpu_batch(model, call: Call) -> bool:
+    """No input_ids, or not a (B, T) batch on the CPU."""
+    ids = call.input_ids
+    return ids is None or ids.dim() != 2 or ids.device.type != "cpu"
+
+
+def other_size(model, call: Call) -> bool:
+    """A length the program does not take (below 2, past the position table), or more tokens than where it is
+    faster (`token_limit`)."""
+    B, T = call.input_ids.shape
+    encoder = model.compiled_encoder
+    return not 2 <= T <= encoder.max_length or B * T > encoder.max_tokens
+
+
+STEP_ASIDE = (set_aside, other_inputs, other_outputs, other_modules, no_cpu_batch, other_size)
+
+
+def program_ids(model, call: Call) -> tuple | None:
+    """The program's inputs where the values let it compute what the model would: positions of the call's own
+    (`batch_positions`) or 0..T-1, token types or zeros, all (B, T) int64 on the CPU; the real tokens of a padded
+    batch (`real_tokens`); every id inside its table (else the eager path names it: the program would fail its own
+    check). Else None."""
+    B, T = call.input_ids.shape
+    config, (positions, zeros, _) = model.config, model.compiled_encoder.constants(B, T)
+    position_ids = positions if call.position_ids is None else batch_positions(call, B, T)
+    token_type_ids = zeros if call.token_type_ids is None else call.token_type_ids
+    ids = (call.input_ids, token_type_ids, position_ids)
+    if position_ids is None or token_type_ids.shape != (B, T) or not all(map(CPU_INT64, ids)):
+        return None
+    found, real = real_tokens(model, call, B, T)
+    tables = ((call.input_ids, config.vocab_size), (call.token_type_ids, config.type_vocab_size),
+              (call.position_ids, config.max_position_embeddings))
+    return (ids, real) if found and within_tables([entry for entry in tables if entry[0] is not None]) else None
+
+
+def batch_positions(call: Call, B: int, T: int) -> torch.Tensor | None:
+    """The call's position_ids as (B, T); None where a row of them without a mask could restart (a packed batch:
+    the eager path decides) or their shape is neither (B, T) nor (1, T)."""
+    position_ids = call.position_ids
+    if call.attention_mask is None and B == 1:
+        return None
+    if position_ids.shape == (1, T):
+        return position_ids.expand(B, T).contiguous()
+    return position_ids if position_ids.shape == (B, T) else None
+
+
+def real_tokens(model, call: Call, B: int, T: int) -> tuple[bool, torch.Tensor | None]:
+    """Whether the program takes the call's mask, and the real tokens (B, T) bool where it has padding (None
+    without). Not taken: a mask of another shape or device; one with padding in a float32 program (its eager path
+    is as fast); a value other than 0 and 1 (the eager path refuses it) or a row of padding only."""
+    mask, encoder = call.attention_mask, model.compiled_encoder
+    if mask is None:
+        return True, None
+    if mask.shape != (B, T) or mask.device.type != "cpu":
+        return False, None
+    ones = encoder.constants(B, T)[2]
+    if torch.equal(mask, ones if mask.dtype == torch.int64 else ones.to(mask.dtype)):
+        return True, None
+    real = mask != 0  # (B, T)
+    return encoder.padded_batches and torch.equal(mask, real.to(mask.dtype)) and bool(real.any(-1).all()), real
+
+
+def within_tables(given: list[tuple[torch.Tensor, int]]) -> bool:
+    """Every id of each (ids, table size) in [0, size): their bounds in one read."""
+    bounds = torch.stack([torch.stack(torch.aminmax(t)) for t, _ in given]).tolist()
+    return all(0 <= low and high < size for (low, high), (_, size) in zip(bounds, given))
 
 
 @functools.cache

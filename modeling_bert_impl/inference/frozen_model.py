@@ -109,30 +109,62 @@ def recast(model: nn.Module, classes: dict) -> None:
                 tensor.__class__ = classes[type(tensor)]
 
 
-def data_shares_the_version() -> property:
-    """`.data` as `detach()`: the same storage, and the same version counter, so that an in-place change through it
-    (`p.data.mul_(2)`, `p.data[3] = 0`) is counted as one through the tensor is (torch's `.data` counts none).
-    Setting `.data` works as on any tensor."""
-    return property(torch.Tensor.detach, torch.Tensor.data.__set__)
+class ReadOnlyToNumPy:
+    """What an inference model's tensors, and the views of them it hands out, do beside a plain tensor's: NumPy gets
+    a read-only array of them, so that a write through it (`p.detach().numpy()[:] += d`, `np.copyto(p.numpy(), w)`),
+    which no version counter sees, is refused by NumPy ("assignment destination is read-only") instead of changing
+    the weights some paths read and not the copies others hold (packed products, a compiled program). Their views
+    (`.detach()`, `.data`, and what a view's own views and slices give: `FixedView`) do the same. `.data` shares the
+    tensor's version counter, so that an in-place change through it (`p.data.mul_(2)`) is counted as one through the
+    tensor is (torch's `.data` counts none); setting `.data` works as on any tensor."""
+
+    def numpy(self, *, force: bool = False):
+        array = torch.Tensor.numpy(self, force=force)
+        array.flags.writeable = False
+        return array
+
+    def detach(self) -> "FixedView":
+        return torch.Tensor.detach(self).as_subclass(FixedView)
+
+    data = property(detach, torch.Tensor.data.__set__)
 
 
-class FixedParameter(nn.Parameter):
-    """A parameter of an inference model: an `nn.Parameter` whose `.data` is counted (`data_shares_the_version`)."""
-
-    data = data_shares_the_version()
+class FixedParameter(ReadOnlyToNumPy, nn.Parameter):
+    """A parameter of an inference model: an `nn.Parameter` read-only to NumPy, whose `.data` is counted."""
 
 
-class FixedBuffer(torch.Tensor):
-    """A buffer of an inference model: a plain tensor whose `.data` is counted (`data_shares_the_version`); torch's
-    functions see a tensor (no `__torch_function__` step), and their results are plain tensors."""
+class FixedBuffer(ReadOnlyToNumPy, torch.Tensor):
+    """A buffer of an inference model: a plain tensor read-only to NumPy, whose `.data` is counted; torch's functions
+    see a tensor (no `__torch_function__` step), and their results are plain tensors."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
-    data = data_shares_the_version()
 
     def __deepcopy__(self, memo):
         copied = self.as_subclass(torch.Tensor).clone()
         copied.__class__ = FixedBuffer
         memo[id(self)] = copied
+        return copied
+
+
+class FixedView(ReadOnlyToNumPy, torch.Tensor):
+    """A view of an inference model's tensor, as `.detach()`, `.data` and `state_dict()` give it: read-only to NumPy,
+    and so are its own views and slices (the results of torch's functions that share its memory); anything else
+    torch makes from it is a plain tensor. Saved (pickled, `torch.save`) and deep-copied as a plain tensor. Only the
+    user's code meets it: the inference model computes from its tensors themselves."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **(kwargs or {}))
+            shares = isinstance(result, torch.Tensor) and result.untyped_storage().data_ptr() in {
+                t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
+        return result.as_subclass(FixedView) if shares else result
+
+    def __reduce_ex__(self, protocol):
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        copied = memo[id(self)] = self.as_subclass(torch.Tensor).clone()
         return copied
 
 
@@ -212,7 +244,7 @@ class ModuleTree:
         # the package's classes among the modules' (their bases included), each with the forward it was defined with
         defined = {k: DEFINED_FORWARDS[k] for cls in set(map(type, modules)) for k in cls.__mro__
                    if k in DEFINED_FORWARDS}
-        self.classes, self.forwards = list(map(vars, defined)), list(defined.values())
+        self.classes, self.forwards = list(defined), list(defined.values())
         # the live dicts that are not empty (a module given a child or parameter where it had none computes the same)
         self.children = [d for m in modules for d in (m._modules, m._parameters) if d]
         self.built = [dict(children) for children in self.children]
@@ -222,7 +254,7 @@ class ModuleTree:
     def unchanged(self) -> bool:
         if not self.same_children() or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
             return False
-        if list(map(FORWARD, self.classes)) != self.forwards:  # by identity first: functions compare so
+        if list(map(FORWARD, map(vars, self.classes))) != self.forwards:  # by identity first: functions compare so
             return False
         if any(map(TRAINING, self.states)) or any(map(dict.__contains__, self.states, itertools.repeat("forward"))):
             return False
