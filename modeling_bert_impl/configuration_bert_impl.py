@@ -43,6 +43,7 @@ class BertImplConfig(PreTrainedConfig):
     """
 
     model_type = "bert_impl"
+    stock_model_type = "bert"  # transformers' model type whose config.json this class reads as its own
 
     vocab_size: int = 30522
     hidden_size: int = 768
@@ -75,11 +76,12 @@ class BertImplConfig(PreTrainedConfig):
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
-        """transformers' reading of a config.json, with a stock BERT one (model_type "bert") translated into ours: the
-        fields are the same; its model type and `BertForX` architectures become ours. Loading stock BERT is supported,
-        so it is done deliberately here instead of through transformers' warning about a model of another type."""
+        """transformers' reading of a config.json, with a stock one of the family (model_type "bert" here,
+        `stock_model_type`) translated into ours: the fields are the same; its model type and `BertForX` architectures
+        become ours. Loading stock checkpoints is supported, so it is done deliberately here instead of through
+        transformers' warning about a model of another type."""
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        if config_dict.get("model_type") == "bert":
+        if config_dict.get("model_type") == cls.stock_model_type:
             architectures = [our_name(name) for name in config_dict.get("architectures") or []]
             config_dict = {**config_dict, "model_type": cls.model_type, "architectures": architectures or None}
         return config_dict, kwargs

@@ -65,18 +65,19 @@ class Batch(NamedTuple):
 
 
 def read_batch(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
-               cu_seq_lens_k, max_length_q, seq_idx, cache=None, label_checks=()) -> Batch:
+               cu_seq_lens_k, max_length_q, seq_idx, cache=None, label_checks=(), position_offset: int = 0) -> Batch:
     """Validate a forward's inputs (`check_inputs`, with a head's `label_checks`) and read what the rest of the
-    forward needs: whether and where sequences are packed (`is_packed`), their positions, and whether there is
-    anything for a padding-free layout to skip (`has_rows_to_skip`)."""
+    forward needs: whether and where sequences are packed (`is_packed`), their positions (restarting at
+    `position_offset` in each packed sequence: 0 for BERT, padding_idx + 1 for RoBERTa), and whether there is anything
+    for a padding-free layout to skip (`has_rows_to_skip`)."""
     C = cache.get_seq_length() if cache is not None else 0  # cached keys ahead of the tokens (prefix tuning)
     attention_mask, cache_checks = split_cache_mask(attention_mask, C, input_ids, inputs_embeds)  # (B, T)
     B, T, facts = check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                               cu_seq_lens_q, cu_seq_lens_k, seq_idx, [*cache_checks, *label_checks])
+                               cu_seq_lens_q, cu_seq_lens_k, seq_idx, [*cache_checks, *label_checks], position_offset)
     packed = is_packed(facts)
     packs = cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, facts.num_sequences) if packed else None
     if packs is not None and position_ids is None:
-        position_ids = packed_position_ids(packs, T)  # (1, T)
+        position_ids = packed_position_ids(packs, T) + position_offset  # (1, T)
     return Batch((B, T), attention_mask, facts, packs, position_ids, facts.max_seqlen or max_length_q, cache, C,
                  has_rows_to_skip(facts, packed))
 
@@ -99,11 +100,12 @@ def has_rows_to_skip(facts: BatchFacts, packed: bool) -> bool:
 
 
 def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
-                 cu_seq_lens_k, seq_idx, label_checks=()) -> tuple[int, int, BatchFacts]:
-    """Validate the encoder's inputs (and a head's `label_checks`). Returns B, T and the facts about the batch.
-    Eager: every value check and fact in one host-device transfer. Traced: one runtime assert, facts None."""
+                 cu_seq_lens_k, seq_idx, label_checks=(), position_offset: int = 0) -> tuple[int, int, BatchFacts]:
+    """Validate the encoder's inputs (and a head's `label_checks`; positions, where none are given, from
+    `position_offset`). Returns B, T and the facts about the batch. Eager: every value check and fact in one
+    host-device transfer. Traced: one runtime assert, facts None."""
     B, T = _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                         cu_seq_lens_q, cu_seq_lens_k, seq_idx)
+                         cu_seq_lens_q, cu_seq_lens_k, seq_idx, position_offset)
     marked = cu_seq_lens_q is not None or seq_idx is not None
     packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
     checks = _value_checks(config, input_ids, attention_mask, token_type_ids, position_ids, cu_seq_lens_q,
@@ -165,7 +167,7 @@ def split_cache_mask(attention_mask, cache_length: int, input_ids, inputs_embeds
 
 
 def _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cu_seq_lens_q,
-                  cu_seq_lens_k, seq_idx) -> tuple[int, int]:
+                  cu_seq_lens_k, seq_idx, position_offset: int = 0) -> tuple[int, int]:
     """Shapes and dtypes, on the host: B, T, or a ValueError."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -194,10 +196,12 @@ def _check_shapes(config, input_ids, attention_mask, token_type_ids, position_id
         position_ids.dim() != 2 or position_ids.shape[1] != T or position_ids.shape[0] not in (1, B)
     ):
         raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected (1, {T}) or ({B}, {T})")
-    if position_ids is None and T > config.max_position_embeddings:
+    if position_ids is None and position_offset + T > config.max_position_embeddings:
+        longest = config.max_position_embeddings - position_offset
         raise ValueError(
-            f"sequence length {T} is longer than the position table (max_position_embeddings="
-            f"{config.max_position_embeddings}); truncate the input"
+            f"sequence length {T} is longer than the position table takes (max_position_embeddings="
+            f"{config.max_position_embeddings}" + (f", positions from {position_offset}: {longest} tokens" if
+                                                   position_offset else "") + "); truncate the input"
         )
     if (cu_seq_lens_q is not None or seq_idx is not None) and B != 1:
         raise ValueError(f"a packed batch has batch size 1 (sequences concatenated), got input of shape {(B, T)}")

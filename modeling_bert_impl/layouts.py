@@ -323,10 +323,11 @@ DEFINED_FORWARDS: dict[type, object] = {}
 
 
 def remember_forwards(namespace: dict) -> None:
-    """Record the `forward` of every module class defined in `namespace` (a module's globals, at its import)."""
+    """Record the `forward` of every module class defined in `namespace` (a module's globals, at its import), None for
+    one that inherits its forward (so that a forward set on it later is told too)."""
     name = namespace["__name__"]
-    DEFINED_FORWARDS.update({cls: cls.__dict__["forward"] for cls in namespace.values() if isinstance(cls, type)
-                             and issubclass(cls, nn.Module) and cls.__module__ == name and "forward" in cls.__dict__})
+    DEFINED_FORWARDS.update({cls: cls.__dict__.get("forward") for cls in namespace.values() if isinstance(cls, type)
+                             and issubclass(cls, nn.Module) and cls.__module__ == name})
 
 
 def origin(thing) -> str:

@@ -59,7 +59,10 @@ register_checkpoint_conversion_mapping("bert_impl", old_names_conversion(), over
 class BertImplEmbeddings(nn.Module):
     """word + segment + learned position embeddings, LayerNorm, dropout: (B, T) ids -> (B, T, H). Stock's buffers of
     the default ids, `position_ids` (0, 1, ...) and `token_type_ids` (zeros), both (1, max_position_embeddings), not
-    saved (code that slices them, as attribution tutorials do, finds them)."""
+    saved (code that slices them, as attribution tutorials do, finds them). Positions start at `position_offset`
+    (0; RoBERTa's at padding_idx + 1: modeling_roberta_impl.py)."""
+
+    position_offset = 0
 
     def __init__(self, config: BertImplConfig):
         super().__init__()
@@ -79,11 +82,16 @@ class BertImplEmbeddings(nn.Module):
         x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
         T, C = x.shape[1], cache_length or kwargs.get("past_key_values_length", 0)
         if position_ids is None:
-            position_ids = self.position_ids[:, C:C + T]  # (1, T)
+            position_ids = self.positions(input_ids, x, C)  # (1, T) or (B, T)
         if token_type_ids is None:
             token_type_ids = self.token_type_ids[:, :T]  # (1, T)
         x = x + self.token_type_embeddings(token_type_ids) + self.position_embeddings(position_ids)
         return self.dropout(self.LayerNorm(x))
+
+    def positions(self, input_ids, embeddings, cache_length: int = 0) -> torch.Tensor:
+        """The positions where none are given: C, C + 1, ... (1, T) for the T tokens of `embeddings` (B, T, H)."""
+        T = embeddings.shape[1]
+        return self.position_ids[:, cache_length:cache_length + T]
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -377,6 +385,15 @@ class BertImplPreTrainedModel(PreTrainedModel):
     accepts_loss_kwargs = False
     # Older stock checkpoints carry the position-id buffer.
     _keys_to_ignore_on_load_unexpected = [r"embeddings\.position_ids"]
+    # The family's own classes, set after they are defined (BERT's below; RoBERTa's in modeling_roberta_impl.py):
+    # the encoder model with its embeddings, and every class with its Auto class (written into saved configs).
+    base_model_class: type
+    embeddings_class: type
+    auto_classes: dict
+
+    def add_base_model(self, **kwargs) -> None:
+        """A head's encoder model, as `self.<base_model_prefix>` (`self.bert`, `self.roberta`)."""
+        setattr(self, self.base_model_prefix, self.base_model_class(self.config, **kwargs))
 
     def _flex_attn_can_dispatch(self, is_init_check: bool = False) -> bool:
         """flex attention compiles its kernel with inductor, which fails on this model's masks before torch 2.13."""
@@ -417,7 +434,7 @@ class BertImplPreTrainedModel(PreTrainedModel):
         carries the code files) loads through any Auto class with `trust_remote_code=True`. The weights' names are
         stock BERT's: stock `BertForX.from_pretrained` loads every one of them."""
         module = type(self).__module__.rsplit(".", 1)[-1]
-        auto_map = {auto: f"{module}.{cls.__name__}" for auto, cls in AUTO_CLASSES.items()}
+        auto_map = {auto: f"{module}.{cls.__name__}" for auto, cls in self.auto_classes.items()}
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map}
         # Our names, not those of the folder it was loaded from (transformers would undo an old folder's renaming).
         kwargs.setdefault("save_original_format", False)
@@ -456,7 +473,7 @@ class BertImplModel(BertImplPreTrainedModel):
 
     def __init__(self, config: BertImplConfig, add_pooling_layer: bool = True):
         super().__init__(config)
-        self.embeddings = BertImplEmbeddings(config)
+        self.embeddings = self.embeddings_class(config)
         self.encoder = BertImplEncoder(config)
         self.pooler = BertImplPooler(config) if add_pooling_layer else None
         self.post_init()
@@ -485,6 +502,7 @@ class BertImplModel(BertImplPreTrainedModel):
         cache: Cache | None = None,
         past_key_values: Cache | None = None,
         label_checks: list | None = None,
+        pool_with: nn.Module | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         r"""
@@ -499,6 +517,8 @@ class BertImplModel(BertImplPreTrainedModel):
         computes values there that no real token depends on. A row of padding only pools a zero vector.
         `attention_mask` holds 0 (padding) and 1 (token), as bool, integers or floats; other values are refused.
         `label_checks`: a head's checks of its labels (input_checks.py), read with the encoder's own in one transfer.
+        `pool_with`: a head's module that reads each sequence's first token in place of the pooler (RoBERTa's
+        classification head, whose model has no pooler); `pooler_output` is then what it returns.
 
         `cache` (or `past_key_values`, its name before transformers 5.24, which peft passes): a transformers `Cache`
         with C keys and values for every layer, attended ahead of the tokens' own, as PEFT's prefix tuning makes it;
@@ -509,14 +529,15 @@ class BertImplModel(BertImplPreTrainedModel):
         output_hidden_states = config_default(output_hidden_states, self.config.output_hidden_states)
         batch = read_batch(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                            cu_seq_lens_q, cu_seq_lens_k, max_length_q, seq_idx, config_default(cache, past_key_values),
-                           label_checks or ())
+                           label_checks or (), self.embeddings.position_offset)
         x = self.embeddings(input_ids, token_type_ids, batch.position_ids, inputs_embeds,
                             cache_length=batch.cache_length)  # (B, T, H)
         layout = choose_layout(self.config, batch, x, self.encoder, output_attentions)
         encoded = self.encoder(x, layout.attention_mask, layout=layout, output_hidden_states=output_hidden_states,
                                output_attentions=output_attentions)
         last = encoded.last_hidden_state  # (B, T, H)
-        pooled = self.pooler(layout.first_tokens(last)) if self.pooler is not None else None  # (S, H)
+        pool = config_default(pool_with, self.pooler)
+        pooled = pool(layout.first_tokens(last)) if pool is not None else None  # (S, H)
         return BaseModelOutputWithPooling(last_hidden_state=last, pooler_output=pooled,
                                           hidden_states=encoded.hidden_states)
 
@@ -546,7 +567,7 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
 
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
-        self.bert = BertImplModel(config)
+        self.add_base_model()
         self.cls = BertImplPreTrainingHeads(config)
         self.post_init()
 
@@ -566,8 +587,8 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
         only: (M, V), M = (labels != -100).sum(), in row-major (B, T) order."""
         checks = mlm_label_checks(labels, self.config) + class_label_checks(
             "next_sentence_label", next_sentence_label, 2, "2", "class ids")
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        label_checks=checks, **kwargs)
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                              label_checks=checks, **kwargs)
         prediction_logits, mlm_loss = masked_lm(self.cls.predictions, out.last_hidden_state, labels, self.config.sparse_prediction)
         seq_relationship_logits = self.cls.seq_relationship(out.pooler_output)  # (B, 2)
         nsp_loss = cross_entropy(seq_relationship_logits, next_sentence_label) if next_sentence_label is not None else None
@@ -588,12 +609,16 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
 
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
-        self.bert = BertImplModel(config, add_pooling_layer=False)
+        self.add_base_model(add_pooling_layer=False)
         self.cls = BertImplOnlyMLMHead(config)
         self.post_init()
 
+    def vocabulary_head(self) -> nn.Module:
+        """(..., H) hidden states -> (..., V) logits over the vocabulary."""
+        return self.cls.predictions
+
     def get_output_embeddings(self):
-        return self.cls.predictions.decoder
+        return self.vocabulary_head().decoder
 
     def set_output_embeddings(self, value):
         self.cls.predictions.decoder = value
@@ -605,9 +630,9 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. `logits` is (B, T, V); with labels and
         `config.sparse_prediction` (off by default), the masked rows only: (M, V) in row-major (B, T) order."""
         checks = mlm_label_checks(labels, self.config)
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        label_checks=checks, **kwargs)
-        logits, loss = masked_lm(self.cls.predictions, out.last_hidden_state, labels, self.config.sparse_prediction)
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                              label_checks=checks, **kwargs)
+        logits, loss = masked_lm(self.vocabulary_head(), out.last_hidden_state, labels, self.config.sparse_prediction)
         result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
         return result
 
@@ -615,7 +640,7 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
 class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
-        self.bert = BertImplModel(config)
+        self.add_base_model()
         self.cls = BertImplOnlyNSPHead(config)
         self.post_init()
 
@@ -623,8 +648,8 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels=None, **kwargs):
         checks = class_label_checks("labels", labels, 2, "2", "class ids")
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        label_checks=checks, **kwargs)
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                              label_checks=checks, **kwargs)
         logits = self.cls(out.pooler_output)  # (B, 2)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = NextSentencePredictorOutput(
@@ -638,10 +663,14 @@ def classifier_dropout(config: BertImplConfig) -> nn.Dropout:
 
 
 class BertImplForSequenceClassification(BertImplPreTrainedModel):
+    """The classifier on the pooled [CLS]: classifier(dropout(pooler_output))."""
+
+    reads_first_tokens = None  # the pooler reads them (RoBERTa's classification head reads them itself)
+
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.bert = BertImplModel(config)
+        self.add_base_model()
         self.dropout = classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
@@ -651,9 +680,9 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
                 labels=None, **kwargs):
         r"""labels: (B,) class ids, (B,) floats for regression (num_labels == 1), or (B, C) multi-hot floats."""
         checks = sequence_classification_label_checks(labels, self.config)
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        label_checks=checks, **kwargs)
-        logits = self.classifier(self.dropout(out.pooler_output))  # (B, C)
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                              label_checks=checks, pool_with=self.reads_first_tokens, **kwargs)
+        logits = self.logits(out.pooler_output)  # (B, C), or (S, C) for a packed batch
         loss = sequence_classification_loss(logits, labels, self.config) if labels is not None else None
         result = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
@@ -661,11 +690,15 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
         return result
 
 
+    def logits(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.dropout(pooled))
+
+
 class BertImplForTokenClassification(BertImplPreTrainedModel):
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.bert = BertImplModel(config, add_pooling_layer=False)
+        self.add_base_model(add_pooling_layer=False)
         self.dropout = classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
@@ -675,8 +708,8 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
                 labels=None, **kwargs):
         r"""labels: (B, T) class ids, -100 where no label applies (padding, special tokens, later sub-words)."""
         checks = class_label_checks("labels", labels, self.num_labels, f"num_labels={self.num_labels}", "class ids")
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        label_checks=checks, **kwargs)
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                              label_checks=checks, **kwargs)
         logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, T, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
@@ -691,7 +724,7 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
             )
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.bert = BertImplModel(config, add_pooling_layer=False)
+        self.add_base_model(add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
@@ -704,8 +737,8 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
         A span never starts or ends on padding: start/end logits there are the dtype's minimum, in the outputs and in
         the loss. (transformers' BERT lets padding into the softmax, so with padding its loss differs from ours.)"""
         checks = position_label_checks(start_positions=start_positions, end_positions=end_positions)
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
-                        label_checks=checks, **kwargs)
+        out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
+                              label_checks=checks, **kwargs)
         logits = self.qa_outputs(out.last_hidden_state)  # (B, T, 2)
         if attention_mask is not None:
             logits = logits.masked_fill((attention_mask == 0).unsqueeze(-1), torch.finfo(logits.dtype).min)
@@ -725,7 +758,7 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
 class BertImplForMultipleChoice(BertImplPreTrainedModel):
     def __init__(self, config: BertImplConfig):
         super().__init__(config)
-        self.bert = BertImplModel(config)
+        self.add_base_model()
         self.dropout = classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
@@ -744,8 +777,8 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
         num_choices = reference.shape[1]
         flat = lambda t: t.flatten(0, 1) if t is not None else None  # (B, C, ...) -> (B * C, ...)
         checks = class_label_checks("labels", labels, num_choices, f"num_choices={num_choices}", "choice indices")
-        out = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
-                        flat(inputs_embeds), return_dict=True, label_checks=checks, **kwargs)
+        out = self.base_model(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
+                              flat(inputs_embeds), return_dict=True, label_checks=checks, **kwargs)
         logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)  # (B, C)
         loss = cross_entropy(logits, labels) if labels is not None else None
         result = MultipleChoiceModelOutput(
@@ -765,6 +798,8 @@ AUTO_CLASSES = {
     "AutoModelForQuestionAnswering": BertImplForQuestionAnswering,
     "AutoModelForMultipleChoice": BertImplForMultipleChoice,
 }
+BertImplPreTrainedModel.base_model_class, BertImplPreTrainedModel.embeddings_class = BertImplModel, BertImplEmbeddings
+BertImplPreTrainedModel.auto_classes = AUTO_CLASSES
 for _auto_class, _model_class in AUTO_CLASSES.items():
     _model_class.register_for_auto_class(_auto_class)
 BertImplConfig.register_for_auto_class()

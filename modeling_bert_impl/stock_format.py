@@ -5,11 +5,13 @@ of the package.
 - parameter names: bert-impl's are stock's; folders saved before it took them (`bert.layers.N.attn.qkv`, `ffn.up`,
   `mlm_head`, ...) load through one map of their names to stock's (`OLD_TO_STOCK`, `old_names_conversion`);
 - config: a stock config.json has none of our fields (`OUR_FIELDS`); `write_stock_config` writes one;
-- class names: `stock_name` (ours -> transformers') and `our_name` (transformers' -> ours).
+- class names: `stock_name` (ours -> transformers') and `our_name` (transformers' -> ours), for every family
+  (`STOCK_FAMILIES`: BERT and its descendants RoBERTa, XLM-RoBERTa, CamemBERT).
 """
 
 import json
 import os
+import re
 
 from transformers.core_model_loading import Chunk, WeightConverter, WeightRenaming
 
@@ -29,6 +31,10 @@ OLD_TO_STOCK = [
     (r"^nsp_head\.", "cls.seq_relationship."),
 ]
 
+# transformers' class-name prefix of each family -> its model_type; ours insert "Impl" after the prefix
+# (XLMRobertaForMaskedLM -> XLMRobertaImplForMaskedLM)
+STOCK_FAMILIES = {"Bert": "bert", "Roberta": "roberta", "XLMRoberta": "xlm-roberta", "Camembert": "camembert"}
+
 # bert-impl's config fields beyond stock's, with their defaults (BertImplConfig declares the same), and auto_map
 OUR_FIELDS = {"unpad_inputs": None, "sparse_prediction": False}
 OUR_CONFIG_FIELDS = ("auto_map", *OUR_FIELDS)
@@ -45,23 +51,33 @@ def old_names_conversion() -> list:
 
 def write_stock_config(folder: str, architecture: str) -> None:
     """Rewrite `folder`/config.json as plain transformers writes it for its class `architecture` (e.g. "BertModel"):
-    model_type "bert", no fields of ours, no `auto_map`."""
+    its family's model_type ("bert"), no fields of ours, no `auto_map`."""
     path = os.path.join(folder, "config.json")
     with open(path) as f:
         config = json.load(f)
     for key in OUR_CONFIG_FIELDS:
         config.pop(key, None)
-    config.update(model_type="bert", architectures=[architecture])
+    config.update(model_type=STOCK_FAMILIES[family(architecture)], architectures=[architecture])
     with open(path, "w") as f:
         f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def family(name: str) -> str | None:
+    """The family prefix of a class name, ours or transformers' (XLMRobertaImplModel -> "XLMRoberta"), or None."""
+    match = re.match(r"(XLMRoberta|Roberta|Camembert|Bert)(Impl)?(Model|For)", name)
+    return match and match[1]
+
+
 def stock_name(model_class: type) -> str:
-    """Our class -> transformers' class of the same head: BertImplForMaskedLM -> BertForMaskedLM."""
-    return model_class.__name__.replace("BertImpl", "Bert", 1).replace("OnBertConfig", "")
+    """Our class -> transformers' class of the same head: BertImplForMaskedLM -> BertForMaskedLM,
+    XLMRobertaImplModelOnXLMRobertaConfig -> XLMRobertaModel."""
+    return re.sub(r"On\w+Config$", "", model_class.__name__).replace("Impl", "", 1)
 
 
 def our_name(architecture: str) -> str:
-    """transformers' class name -> ours (BertForMaskedLM -> BertImplForMaskedLM); other names as they are."""
-    return architecture.replace("Bert", "BertImpl", 1) if architecture.startswith("BertFor") or architecture == (
-        "BertModel") else architecture
+    """transformers' class name -> ours (BertForMaskedLM -> BertImplForMaskedLM, RobertaModel -> RobertaImplModel);
+    other names as they are."""
+    prefix = family(architecture)
+    if prefix is None or architecture.startswith(f"{prefix}Impl") or architecture.endswith("ForCausalLM"):
+        return architecture
+    return f"{prefix}Impl{architecture[len(prefix):]}"

@@ -375,3 +375,22 @@ def test_console_script_entry_point_resolves(capsys):
     assert exit_info.value.code == 0
     usage = capsys.readouterr().out
     assert usage.startswith("usage: bert-impl-export") and "--task" in usage and "text-classification" in usage
+
+
+def test_the_export_command_without_onnx_says_what_to_install(tmp_path, monkeypatch):
+    """Without onnx (or onnxscript, or onnxruntime) the command stops with what to install, the `export` extra that
+    pyproject.toml declares with all three, instead of a ModuleNotFoundError from inside torch.onnx."""
+    import importlib.util
+    import tomllib
+    from pathlib import Path
+
+    from modeling_bert_impl.integrations import export
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else find_spec(name, *a))
+    with pytest.raises(SystemExit, match=r"ONNX export needs onnx, which is not installed: pip install "
+                                         r"'bert-impl\[export\]'"):
+        export.main(["some-model", str(tmp_path / "out")])
+    extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert {requirement.split(">")[0] for requirement in extras["export"]} == set(export.EXPORTERS)

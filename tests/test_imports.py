@@ -40,11 +40,20 @@ def graph() -> dict[str, set[str]]:
 CHECKPOINT_FILES = sorted(module_name(p) for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
 
 
+ROBERTA_FILES = [f"{NAME}.configuration_roberta_impl", f"{NAME}.modeling_roberta_impl"]
+
+
 def test_the_checkpoint_files_are_the_ones_saved_folders_carry(tmp_path):
+    """A BERT folder carries every checkpoint file but the RoBERTa family's two; a folder of the family carries all."""
     import modeling_bert_impl as bi
 
-    bi.BertImplModel(bi.BertImplConfig.from_preset("tiny", vocab_size=99)).save_pretrained(tmp_path)
-    assert sorted(f"{NAME}.{p.stem}" for p in tmp_path.glob("*.py")) == CHECKPOINT_FILES
+    tiny = dict(vocab_size=99, hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=37)
+    bi.BertImplModel(bi.BertImplConfig(**tiny)).save_pretrained(tmp_path / "bert")
+    bi.CamembertImplModel(bi.CamembertImplConfig(**tiny)).save_pretrained(tmp_path / "camembert")
+    carried = {folder: sorted(f"{NAME}.{p.stem}" for p in (tmp_path / folder).glob("*.py")) for folder in
+               ("bert", "camembert")}
+    assert carried["bert"] == sorted(set(CHECKPOINT_FILES) - set(ROBERTA_FILES))
+    assert carried["camembert"] == CHECKPOINT_FILES
 
 
 def test_checkpoint_files_import_only_each_other():

@@ -25,7 +25,6 @@ from helpers import layouts_built
 peft = pytest.importorskip("peft")
 from peft import AutoPeftModelForSequenceClassification, LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
-bi.register_peft_defaults()  # as docs/integrations.md shows: peft's "bert" defaults for "bert_impl"
 TOL = 1e-5
 SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
              max_position_embeddings=64, num_labels=2)
@@ -240,23 +239,68 @@ def test_default_target_modules_are_stock_ones(wide_stock_dir, method):
         assert feedforward(model) == feedforward(on_stock) and feedforward(model)
 
 
-def test_peft_defaults_come_with_the_call_not_the_import():
-    """Importing the package leaves peft's tables as they were; `register_peft_defaults()` gives "bert_impl" every
-    "bert" entry, and a second call changes nothing."""
-    code = (
-        "from peft.utils import constants\n"
-        "import modeling_bert_impl as bi\n"
-        "tables = [t for n, t in vars(constants).items() if n.startswith('TRANSFORMERS_MODELS_TO_') and "
-        "isinstance(t, dict) and isinstance(t.get('bert'), list)]\n"
-        "assert tables and not any('bert_impl' in t for t in tables), 'registered at import'\n"
-        "bi.register_peft_defaults(); bi.register_peft_defaults()\n"
-        "assert all(t['bert_impl'] == t['bert'] for t in tables)\n"
-        "print(len(tables))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
-                          cwd=Path(__file__).resolve().parent.parent)
+FRESH_PROCESS_LORA = """
+import sys, torch, transformers
+{first}
+{second}
+from peft import LoraConfig, PeftModel, get_peft_model
+SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+             max_position_embeddings=66, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+ids = torch.randint(3, 99, (4, 9), generator=torch.Generator().manual_seed(0))
+labels = torch.tensor([0, 1, 1, 0])
+for prefix in ("Bert", "Roberta", "XLMRoberta", "Camembert"):
+    folder, stock_class = f"{{sys.argv[1]}}/{{prefix}}", getattr(transformers, f"{{prefix}}ForSequenceClassification")
+    torch.manual_seed(0)
+    stock_class(getattr(transformers, f"{{prefix}}Config")(**SMALL)).save_pretrained(folder)
+    ours = getattr(bi, f"{{prefix}}ImplForSequenceClassification").from_pretrained(folder)
+    model = get_peft_model(ours, LoraConfig(task_type="SEQ_CLS", init_lora_weights=False))  # no target_modules
+    assert {{n.split(".")[-1] for n in model.base_model.targeted_module_names}} == {{"query", "value"}}, prefix
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward(); optimizer.step(); optimizer.zero_grad(); losses.append(loss.item())
+    assert losses[-1] < losses[0], (prefix, losses)
+    model.save_pretrained(f"{{folder}}-ours-adapter")
+    on_stock = PeftModel.from_pretrained(stock_class.from_pretrained(folder), f"{{folder}}-ours-adapter").eval()
+    stock_lora = get_peft_model(stock_class.from_pretrained(folder), LoraConfig(  # peft has no camembert defaults
+        task_type="SEQ_CLS", target_modules=["query", "value"], init_lora_weights=False))
+    stock_lora.save_pretrained(f"{{folder}}-stock-adapter")
+    on_ours = PeftModel.from_pretrained(getattr(bi, f"{{prefix}}ImplForSequenceClassification").from_pretrained(
+        folder), f"{{folder}}-stock-adapter").eval()
+    with torch.no_grad():
+        assert (on_stock(input_ids=ids).logits - model.eval()(input_ids=ids).logits).abs().max() < 1e-5, prefix
+        assert (on_ours(input_ids=ids).logits - stock_lora.eval()(input_ids=ids).logits).abs().max() < 1e-5, prefix
+    print(prefix, "ok")
+"""
+
+
+@pytest.mark.parametrize("order", ["bert-impl first", "peft first"])
+def test_peft_defaults_need_no_call_in_a_fresh_process(order, tmp_path):
+    """A stock user's LoRA code on our models, in a Python that imports bert-impl (before peft or after it) and calls
+    nothing else: `LoraConfig(task_type="SEQ_CLS")` without `target_modules` targets query and value on BERT and on
+    each family, trains (the loss falls over five steps), and the adapter loads on transformers' class of the same
+    weights with the same logits, as a stock adapter does on ours (stock CamemBERT has no defaults in peft: ours takes
+    RoBERTa's)."""
+    imports = ["import modeling_bert_impl as bi", "import peft"]
+    first, second = imports if order == "bert-impl first" else imports[::-1]
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS_LORA.format(first=first, second=second), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert int(proc.stdout.split()[-1]) > 5
+    assert proc.stdout.split() == ["Bert", "ok", "Roberta", "ok", "XLMRoberta", "ok", "Camembert", "ok"]
+
+
+def test_peft_tables_keep_their_entries():
+    """The fill is additive: peft's own entries are untouched, ours equal their stock family's, and filling again
+    (`register_peft_defaults()`, kept for older code) changes nothing."""
+    from peft.utils import constants
+
+    lora = constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    before = {k: list(v) for k, v in lora.items()}
+    bi.register_peft_defaults()
+    assert {k: list(v) for k, v in lora.items()} == before
+    assert lora["bert_impl"] == lora["bert"] and lora["xlm_roberta_impl"] == lora["xlm-roberta"]
+    assert lora["camembert_impl"] == lora["roberta"] and "camembert" not in lora  # peft lists none for camembert
 
 
 def test_defaults_on_stock_folders_loaded_through_the_patch(stock_dir):

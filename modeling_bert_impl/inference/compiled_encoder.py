@@ -45,7 +45,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from . import avx2_gemm
 from ..bert_padding import unpad_indices
 from ..input_checks import require_tracing_torch
-from ..layouts import BucketedLayout
+from ..layouts import BucketedLayout, first_tokens
 from ..modeling_bert_impl import BertImplModel
 from .anatomy import joined, layer_sites
 from .frozen_model import InferenceModule, ModuleTree, fix_weights, inference_class, inference_copy
@@ -142,18 +142,22 @@ class CompiledBertImplModel(InferenceModule, BertImplModel):
     # set by compile_for_inference: compiled_encoder (a CompiledEncoder, None to set it aside), program_tree
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 output_attentions=None, output_hidden_states=None, cu_seq_lens_q=None, seq_idx=None,
-                label_checks=None, return_dict=None, **kwargs):
+                label_checks=None, return_dict=None, pool_with=None, **kwargs):
         call = Call(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions,
                     output_hidden_states, cu_seq_lens_q, seq_idx, label_checks, kwargs)
         inputs = self.program_inputs(call)
         if inputs is not None:
-            out = model_output(*self.compiled_encoder(*inputs))  # the pooled output where the model pools
+            outputs = self.compiled_encoder(*inputs)  # the pooled output too where the model pools
+            if pool_with is not None:  # a head's module in place of the pooler (RoBERTa's classification head)
+                outputs = [outputs[0], pool_with(first_tokens(outputs[0], first_real_tokens(inputs[1])))]
+            out = model_output(*outputs)
             return out if config_default(return_dict, self.config.return_dict) else out.to_tuple()
         if return_dict is not None:
             kwargs["return_dict"] = return_dict
         return super().forward(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                               cu_seq_lens_q=cu_seq_lens_q, seq_idx=seq_idx, label_checks=label_checks, **kwargs)
+                               cu_seq_lens_q=cu_seq_lens_q, seq_idx=seq_idx, label_checks=label_checks,
+                               pool_with=pool_with, **kwargs)
 
     def program_inputs(self, call: "Call") -> tuple | None:
         """Where the program computes what the model would: its inputs, the ids, token types and positions, each
@@ -229,12 +233,12 @@ STEP_ASIDE = (set_aside, other_inputs, other_outputs, other_modules, no_cpu_batc
 
 def program_ids(model, call: Call) -> tuple | None:
     """The program's inputs where the values let it compute what the model would: positions of the call's own
-    (`batch_positions`) or 0..T-1, token types or zeros, all (B, T) int64 on the CPU; the real tokens of a padded
-    batch (`real_tokens`); every id inside its table (else the eager path names it: the program would fail its own
-    check). Else None."""
+    (`batch_positions`) or the model's (`model_positions`), token types or zeros, all (B, T) int64 on the CPU; the
+    real tokens of a padded batch (`real_tokens`); every id inside its table (else the eager path names it: the
+    program would fail its own check). Else None."""
     B, T = call.input_ids.shape
     config, (positions, zeros, _) = model.config, model.compiled_encoder.constants(B, T)
-    position_ids = positions if call.position_ids is None else batch_positions(call, B, T)
+    position_ids = model_positions(model, call, positions) if call.position_ids is None else batch_positions(call, B, T)
     token_type_ids = zeros if call.token_type_ids is None else call.token_type_ids
     ids = (call.input_ids, token_type_ids, position_ids)
     if position_ids is None or token_type_ids.shape != (B, T) or not all(map(CPU_INT64, ids)):
@@ -243,6 +247,13 @@ def program_ids(model, call: Call) -> tuple | None:
     tables = ((call.input_ids, config.vocab_size), (call.token_type_ids, config.type_vocab_size),
               (call.position_ids, config.max_position_embeddings))
     return (ids, real) if found and within_tables([entry for entry in tables if entry[0] is not None]) else None
+
+
+def model_positions(model, call: Call, positions: torch.Tensor) -> torch.Tensor:
+    """The positions the model gives where the call gives none: 0..T-1 ((B, T), made once per shape), or RoBERTa's,
+    counted over the ids from padding_idx + 1 (modeling_roberta_impl.py)."""
+    embeddings = model.embeddings
+    return positions if not embeddings.position_offset else embeddings.positions(call.input_ids, None)
 
 
 def batch_positions(call: Call, B: int, T: int) -> torch.Tensor | None:
@@ -270,6 +281,14 @@ def real_tokens(model, call: Call, B: int, T: int) -> tuple[bool, torch.Tensor |
         return True, None
     real = mask != 0  # (B, T)
     return encoder.padded_batches and torch.equal(mask, real.to(mask.dtype)) and bool(real.any(-1).all()), real
+
+
+def first_real_tokens(real: torch.Tensor | None) -> torch.Tensor | None:
+    """Where each row's first real token is in the flattened (B * T) batch (`layouts.first_token_rows`): None for
+    position 0 of every row (no padding), else (B,) from the real tokens (B, T) bool."""
+    if real is None:
+        return None
+    return torch.arange(real.shape[0]) * real.shape[1] + real.int().argmax(-1)
 
 
 def within_tables(given: list[tuple[torch.Tensor, int]]) -> bool:

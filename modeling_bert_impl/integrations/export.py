@@ -4,15 +4,17 @@ PyTorch in onnxruntime:
     python -m modeling_bert_impl.integrations.export MODEL OUTPUT_DIR [--task TASK] [--overwrite]
     bert-impl-export MODEL OUTPUT_DIR ...                  (the same, as a console script)
 
-MODEL is a folder or a Hub id; TASK one of the tasks of tasks.py's table (default: the folder's architecture).
-OUTPUT_DIR gets model.onnx (weights inside, or beside it in model.onnx.data above 1 GiB), config.json (stock BERT's,
-by `stock_format.write_stock_config`), the tokenizer files when MODEL has them, and export.json (what was exported
-and the measured max |diff| against PyTorch on a padded sample batch of another shape than the one exported). The
-graph is torch.export's of the padded path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask,
-token_type_ids, each (batch, sequence), or (batch, choices, sequence) for multiple choice.
+MODEL is a folder or a Hub id, of BERT or of one of its descendants (RoBERTa, XLM-RoBERTa, CamemBERT); TASK one of
+the tasks of tasks.py's table (default: the folder's architecture). OUTPUT_DIR gets model.onnx (weights inside, or
+beside it in model.onnx.data above 1 GiB), config.json (the stock family's, by `stock_format.write_stock_config`),
+the tokenizer files when MODEL has them, and export.json (what was exported and the measured max |diff| against
+PyTorch on a padded sample batch of another shape than the one exported). The graph is torch.export's of the padded
+path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask, token_type_ids, each (batch, sequence), or
+(batch, choices, sequence) for multiple choice.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -24,6 +26,7 @@ from ..input_checks import require_tracing_torch
 from .tasks import HEADS, TASKS, auto_class_of, head_class
 
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+EXPORTERS = ("onnx", "onnxscript", "onnxruntime")  # torch.onnx's exporter needs the first two; the check the third
 SAMPLE_TEXTS = ["The quick brown fox jumps over the lazy dog.", "Short.", "BERT reads text in both directions at once."]
 
 
@@ -44,7 +47,8 @@ def sample_batch(tokenizer, config, texts: list[str], choices: int | None) -> di
     if tokenizer is not None:
         second = [f"ending {i % (choices or 1)}" for i in range(len(texts))]
         batch = tokenizer(texts, second, padding=True, return_tensors="pt")
-        batch = {k: batch[k] for k in INPUTS}
+        zeros = torch.zeros_like(batch["input_ids"])  # token types, where the tokenizer gives none (RoBERTa's)
+        batch = {k: batch[k] if k in batch else zeros for k in INPUTS}
     else:
         g = torch.Generator().manual_seed(0)
         lengths = torch.tensor([len(t.split()) + 2 for t in texts])
@@ -69,6 +73,10 @@ def max_abs_diff(outputs: list, expected: list, mask: torch.Tensor) -> float:
 def export(model_id: str, output_dir: str, task: str | None = None, overwrite: bool = False, atol: float = 1e-4,
            opset: int | None = None) -> float:
     """Write `output_dir`/model.onnx and its companions; returns the measured max |diff| (raises above `atol`)."""
+    missing = [package for package in EXPORTERS if importlib.util.find_spec(package) is None]
+    if missing:
+        raise SystemExit(f"ONNX export needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+                         "installed: pip install 'bert-impl[export]' (or pip install onnx onnxscript onnxruntime)")
     import onnxruntime
     import transformers
     from transformers import AutoConfig, AutoTokenizer
@@ -82,7 +90,7 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
     transformers.logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(model_id)
     task = task or default_task(config)
-    model = head_class(task).from_pretrained(model_id).eval()
+    model = head_class(task, config.model_type).from_pretrained(model_id).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     except (OSError, ValueError):

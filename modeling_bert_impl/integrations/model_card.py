@@ -23,9 +23,10 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..modeling_bert_impl import AUTO_CLASSES
-from ..stock_format import stock_name
-from .tasks import PIPELINE_TAGS, auto_class_of
+from ..stock_format import family, stock_name
+from .tasks import PIPELINE_TAGS, auto_class_of, classes_of
 
+FAMILY_NAMES = {"Bert": "BERT", "Roberta": "RoBERTa", "XLMRoberta": "XLM-RoBERTa", "Camembert": "CamemBERT"}
 TAGS = ["bert", "bert_impl"]
 
 # Auto class -> the lines of the usage snippet after loading `tokenizer` and `model`.
@@ -187,8 +188,10 @@ def model_card(
         eval_results=results or None,
     )
 
-    head, stock = AUTO_CLASSES[auto].__name__, stock_name(AUTO_CLASSES[auto])
-    about = f"A BERT encoder with the `{head}` head"
+    ours = classes_of(config.model_type)[auto]
+    head, stock = ours.__name__, stock_name(ours)
+    name = FAMILY_NAMES[family(stock)]
+    about = f"{'An' if name[0] in 'AEIOUX' else 'A'} {name} encoder with the `{head}` head"
     if base_model:
         about += f", fine-tuned from [`{base_model}`](https://huggingface.co/{base_model})"
     if datasets:
