@@ -190,8 +190,8 @@ def model_card(
 
     ours = classes_of(config.model_type)[auto]
     head, stock = ours.__name__, stock_name(ours)
-    name = FAMILY_NAMES[family(stock)]
-    about = f"{'An' if name[0] in 'AEIOUX' else 'A'} {name} encoder with the `{head}` head"
+    family_name = FAMILY_NAMES[family(stock)]
+    about = f"{'An' if family_name[0] in 'AEIOUX' else 'A'} {family_name} encoder with the `{head}` head"
     if base_model:
         about += f", fine-tuned from [`{base_model}`](https://huggingface.co/{base_model})"
     if datasets:
