@@ -194,6 +194,27 @@ def test_the_program_steps_aside(packages, encoder_state, case):
     assert_same_outputs(got, expected)
 
 
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_a_query_padded_to_a_fixed_length_runs_the_program(packages, encoder_state, padding):
+    """One query padded to a fixed length (6 real tokens of 9, as servers that pad send it) runs the program once, on
+    its real tokens (their positions kept), with the eager path's outputs: zeros at padding, the pooled first real
+    token. (Several padded rows in float32 take the eager path: `test_the_program_steps_aside`.)"""
+    model = compiled("BertImplForSequenceClassification", packages, encoder_state)
+    calls = program_calls(model)
+    mask = torch.tensor([[1] * 6 + [0] * 3])
+    mask = mask.flip(-1) if padding == "left" else mask
+    inputs = {"input_ids": small_ids(1, seed=4) * mask, "attention_mask": mask}
+    with torch.no_grad():
+        got = model(**inputs, output_hidden_states=False)
+        base = model.base_model(**inputs)
+        with uncompiled(model):
+            expected, expected_base = model(**inputs), model.base_model(**inputs)
+    assert len(calls) == 2
+    assert_same_outputs(got, expected)
+    assert_same_outputs(base, expected_base)
+    assert (base.last_hidden_state[mask == 0] == 0).all()
+
+
 def test_gradients_modes_and_hooks_take_the_eager_path(packages, encoder_state):
     """Inputs that need gradients (the gradients reach them), a module set to training mode, a hook on a module (it
     runs), a patched forward (it runs), the model in float64: the eager path; the program again once nothing observes

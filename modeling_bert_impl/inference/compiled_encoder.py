@@ -8,10 +8,11 @@ the weights frozen in oneDNN's layout (on an AVX2 CPU: in the panels of our own 
 avx2_gemm.py, faster there than oneDNN's and SDPA), the small operations fused into loops, no Python between them.
 The inference model it returns (a copy of the model given, with `optimize_for_inference`'s packed weights and fused
 layers: frozen_model.py) runs that program wherever the result is the same (`program_inputs`, the one place that
-decides): a batch without padding in one run (above 2,048 tokens, one per group of sequences: `dense`); with an int8
-model a padded one too, as the eager path lays it out (bert_padding.py): its sequences sorted by length and cut into
-groups padded to their longest, one run per group, so that the products skip nearly all the padding. The heads run on
-its outputs as before, and everything else (float32's padded batches, whose eager path is as fast; hidden states or
+decides): a batch without padding in one run (above 2,048 tokens, one per group of sequences: `dense`); one query
+padded to a fixed length on its real tokens; with an int8 model a padded batch too, as the eager path lays it out
+(the bucketed layout, layouts.py): its sequences sorted by length and cut into groups padded to their longest, one run
+per group, so that the products skip nearly all the padding. The heads run on its outputs as before, and everything
+else (float32's padded batches of several rows, whose eager path is as fast; hidden states or
 attention maps asked for, packed batches, inputs that need gradients, hooks or replaced modules) stays the eager path,
 `optimize_for_inference`'s.
 An int8 model (`quantize_for_inference`) compiles too, its products inductor's own C++ int8 GEMM in the program on a
@@ -81,9 +82,10 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     CPU instructions (else a ValueError says what is wrong, before any of the package's code runs); None compiles into a
     temporary file. A package is executable code, as a pickle is: load only packages you compiled or trust (the digest
     finds damage, not a package someone rewrote). Calls with `input_ids` (batch 1, dense batches, at least 2 tokens, at
-    most 64 in all in float32 on an AVX2 CPU: `token_limit`; padded batches too in an int8 model), no hidden states or
-    attention maps asked for, no labels, inputs that need no gradient, run the encoder (embeddings, layers, pooler) as
-    that program (a padded batch once per group of sequences of similar length); the heads run as before, and every
+    most 64 in all in float32 on an AVX2 CPU: `token_limit`; one padded query; padded batches too in an int8 model), no
+    hidden states or attention maps asked for, no labels, inputs that need no gradient, run the encoder (embeddings,
+    layers, pooler) as that program (a padded batch once per group of sequences of similar length); the heads run as
+    before, and every
     other call runs `optimize_for_inference`'s path. The weights are the model's at this call: changing the model
     afterwards does not change the inference model (compile again). An int8 model's program runs `Int8Linear`'s traced
     formulation."""
@@ -269,8 +271,9 @@ def batch_positions(call: Call, B: int, T: int) -> torch.Tensor | None:
 
 def real_tokens(model, call: Call, B: int, T: int) -> tuple[bool, torch.Tensor | None]:
     """Whether the program takes the call's mask, and the real tokens (B, T) bool where it has padding (None
-    without). Not taken: a mask of another shape or device; one with padding in a float32 program (its eager path
-    is as fast); a value other than 0 and 1 (the eager path refuses it) or a row of padding only."""
+    without). Not taken: a mask of another shape or device; one with padding over several rows in a float32 program
+    (its eager path is as fast; one row, a query padded to a fixed length, runs the program on its real tokens); a
+    value other than 0 and 1 (the eager path refuses it) or a row of padding only."""
     mask, encoder = call.attention_mask, model.compiled_encoder
     if mask is None:
         return True, None
@@ -280,7 +283,8 @@ def real_tokens(model, call: Call, B: int, T: int) -> tuple[bool, torch.Tensor |
     if torch.equal(mask, ones if mask.dtype == torch.int64 else ones.to(mask.dtype)):
         return True, None
     real = mask != 0  # (B, T)
-    return encoder.padded_batches and torch.equal(mask, real.to(mask.dtype)) and bool(real.any(-1).all()), real
+    takes = (encoder.padded_batches or B == 1) and torch.equal(mask, real.to(mask.dtype)) and bool(real.any(-1).all())
+    return takes, real
 
 
 def first_real_tokens(real: torch.Tensor | None) -> torch.Tensor | None:
@@ -463,7 +467,8 @@ class CompiledEncoder:
         self.max_length = base.config.max_position_embeddings
         self.by_shape = {}  # (B, T) -> `constants`
         # Padded batches: the program by groups for an int8 model (faster than the eager int8 path on mixed lengths);
-        # float32's eager path lays them out the same way at the same speed or better, so it keeps them.
+        # float32's eager path lays them out the same way at the same speed or better, so it keeps those of several
+        # rows (`real_tokens`: one row, a query padded to a fixed length, runs the program on its real tokens).
         self.padded_batches = int8(base)
         self.max_tokens = token_limit(base) or math.inf  # calls of more tokens take the eager path
 

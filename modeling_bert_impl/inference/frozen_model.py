@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from ..layouts import DEFINED_FORWARDS
 from .packed_linear import bound_onednn_caches
+from .threads import size_threads
 
 REFUSED = ("{what}: this is an inference model made by {engine}, whose weights were fixed then. Train (or load "
            "weights into) the model you passed to {engine}, then call {engine} again on it.")
@@ -80,8 +81,9 @@ def inference_copy(model: nn.Module, engine: str) -> nn.Module:
     every transformers model in it (the head and its base model) refusing training (`InferenceModule`), and every
     module refusing a state dict that holds its weights (`refuse_loads`). The fixed tensors of an inference model given
     (an int8 model compiled) are plain again until `fix_weights`: tracing takes no subclass. oneDNN's caches are bounded
-    first (`bound_onednn_caches`)."""
+    first (`bound_onednn_caches`), and torch's threads sized to the CPUs the process may use (`size_threads`)."""
     bound_onednn_caches(engine)
+    size_threads(engine)
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
     recast(frozen, PLAIN)
     for module in frozen.modules():

@@ -1,0 +1,81 @@
+"""The inference engine's threads: sized from what the process may run at once (its CPU affinity, its cgroup CPU
+quota, v2 and v1, read from files laid out here as the kernel lays them out), never raised, left alone where the user
+chose them, said once in the log (modeling_bert_impl/inference/threads.py)."""
+
+import pytest
+import torch
+import transformers
+from transformers.testing_utils import CaptureLogger
+
+import modeling_bert_impl as bi
+from helpers import SMALL
+from modeling_bert_impl.inference import threads
+
+
+def write(path, text: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_the_cgroup_quota_v2_is_the_smallest_on_the_way_to_the_root(tmp_path):
+    """cgroup v2: the process's cgroup `cpu.max` and its ancestors' ("max" for none); quota / period; None without."""
+    write(tmp_path / "self", "0::/pods/pod1/app\n")
+    write(tmp_path / "root/pods/pod1/app/cpu.max", "max 100000\n")
+    write(tmp_path / "root/pods/pod1/cpu.max", "150000 100000\n")
+    write(tmp_path / "root/pods/cpu.max", "400000 100000\n")
+    assert threads.cgroup_cpu_quota(str(tmp_path / "self"), str(tmp_path / "root")) == 1.5
+    write(tmp_path / "root/pods/pod1/cpu.max", "max 100000\n")
+    write(tmp_path / "root/pods/cpu.max", "max\n")
+    assert threads.cgroup_cpu_quota(str(tmp_path / "self"), str(tmp_path / "root")) is None
+    assert threads.cgroup_cpu_quota(str(tmp_path / "missing"), str(tmp_path / "root")) is None
+
+
+def test_the_cgroup_quota_v1_reads_the_cpu_controller(tmp_path):
+    """cgroup v1: `cpu.cfs_quota_us` / `cpu.cfs_period_us` in the cpu controller's hierarchy (-1: none)."""
+    write(tmp_path / "self", "4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n")
+    write(tmp_path / "root/cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "50000\n")
+    write(tmp_path / "root/cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
+    write(tmp_path / "root/cpu,cpuacct/cpu.cfs_quota_us", "-1\n")
+    write(tmp_path / "root/cpu,cpuacct/cpu.cfs_period_us", "100000\n")
+    assert threads.cgroup_cpu_quota(str(tmp_path / "self"), str(tmp_path / "root")) == 0.5
+
+
+def test_usable_cpus_from_affinity_and_quota():
+    assert threads.usable_cpus({0, 1, 2, 3}, None) == 4
+    assert threads.usable_cpus({0, 1, 2, 3}, 1.5) == 2  # a quota rounds up: 1.5 CPUs keep two threads busy
+    assert threads.usable_cpus({5}, 8.0) == 1
+    assert threads.usable_cpus({0, 1}, 0.25) == 1
+
+
+@pytest.fixture
+def torch_threads():
+    """torch's threads put back after the test."""
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_an_engine_lowers_the_threads_to_the_usable_cpus_and_says_so_once(torch_threads, monkeypatch):
+    """With more torch threads than the process may run at once (a faked affinity of one CPU), making an inference
+    model lowers them and says so, once; fewer are never raised; with OMP_NUM_THREADS set they are the user's."""
+    model = bi.BertImplModel(bi.BertImplConfig(**SMALL)).eval()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 1)
+    logger = transformers.logging.get_logger(threads.__name__)
+    logger.warning_once.cache_clear()
+    torch.set_num_threads(2)
+    with CaptureLogger(logger) as said:
+        bi.optimize_for_inference(model)
+        torch.set_num_threads(2)
+        bi.optimize_for_inference(model)
+    assert torch.get_num_threads() == 1
+    assert said.out.count("may run 1 at once") == 1 and "OMP_NUM_THREADS" in said.out
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 4)
+    bi.optimize_for_inference(model)
+    assert torch.get_num_threads() == 1  # never raised
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(2)
+    bi.optimize_for_inference(model)
+    assert torch.get_num_threads() == 2  # the user's
