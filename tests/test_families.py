@@ -12,7 +12,7 @@ import transformers
 from tokenizers import ByteLevelBPETokenizer, SentencePieceUnigramTokenizer
 
 import modeling_bert_impl as bi
-from helpers import layouts_built, max_diff
+from helpers import layouts_built, max_diff, needs_tracing
 
 TOL = 1e-5
 # family (transformers' model type) -> transformers' class prefix, its config, ours
@@ -296,16 +296,13 @@ def test_optimize_and_quantize_for_inference_take_the_families(family, tmp_path)
 
 
 @pytest.mark.slow
+@needs_tracing
 @pytest.mark.parametrize("family", ["xlm-roberta"])
 def test_compile_for_inference_takes_the_families(family, tmp_path):
     """compile_for_inference of a family's classifier: its program takes one sentence and a batch without padding,
     with RoBERTa's positions counted over the ids (given to the program as the model gives them) and the
     classification head on each sequence's first token, within 1e-5 of the model; a padded batch takes the eager
     path with the same answer."""
-    from helpers import needs_tracing
-
-    if needs_tracing.args[0]:
-        pytest.skip(needs_tracing.kwargs["reason"])
     stock_folder(family, "ForSequenceClassification", tmp_path / "stock")
     model = classes(family, "ForSequenceClassification")[1].from_pretrained(tmp_path / "stock").eval()
     compiled = bi.compile_for_inference(model, tmp_path / "model.pt2")
@@ -319,11 +316,12 @@ def test_compile_for_inference_takes_the_families(family, tmp_path):
     assert len(runs) == 2
 
 
-def test_the_export_command_and_the_model_card_take_the_families(tmp_path):
+@pytest.mark.slow
+@needs_tracing
+def test_the_export_command_takes_the_families(tmp_path):
     """bert-impl-export on a stock XLM-RoBERTa classifier folder exports the family's class (its positions from the
-    ids included) within its tolerance of PyTorch, writing a stock XLM-RoBERTa config; the model card names the
-    family's head."""
-    from modeling_bert_impl.integrations import export, model_card
+    ids included) within its tolerance of PyTorch, writing a stock XLM-RoBERTa config."""
+    from modeling_bert_impl.integrations import export
 
     stock_folder("xlm-roberta", "ForSequenceClassification", tmp_path / "stock")
     diff = export.export(str(tmp_path / "stock"), str(tmp_path / "onnx"))
@@ -331,6 +329,13 @@ def test_the_export_command_and_the_model_card_take_the_families(tmp_path):
     exported = json.loads((tmp_path / "onnx" / "export.json").read_text())
     assert exported["class"] == "XLMRobertaImplForSequenceClassification" and exported["task"] == "text-classification"
     assert json.loads((tmp_path / "onnx" / "config.json").read_text())["model_type"] == "xlm-roberta"
+
+
+def test_the_model_card_names_the_familys_head(tmp_path):
+    """The model card of an XLM-RoBERTa classifier names the family and its head."""
+    from modeling_bert_impl.integrations import model_card
+
+    stock_folder("xlm-roberta", "ForSequenceClassification", tmp_path / "stock")
     model = bi.XLMRobertaImplForSequenceClassification.from_pretrained(tmp_path / "stock")
     card = str(model_card.model_card(model, "org/xlmr"))
     assert "An XLM-RoBERTa encoder with the `XLMRobertaImplForSequenceClassification` head" in card

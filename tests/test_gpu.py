@@ -396,7 +396,7 @@ def test_trainer_mixed_precision_loss_falls_and_resumes(minilm_dir, tmp_path, re
 COMPILE_BACKEND = "inductor" if CUDA else "aot_eager"  # see the module docstring
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed_position_ids"])
+@pytest.mark.parametrize("layout", ["padded", pytest.param("packed_position_ids", marks=pytest.mark.slow)])
 @needs_tracing
 def test_compiled_fullgraph_forward_and_backward_match_eager(minilm_dir, batch, layout):
     """fp32, a training step (the exact unpadded layout under compile): the compiled model's outputs and gradients

@@ -275,7 +275,7 @@ for prefix in ("Bert", "Roberta", "XLMRoberta", "Camembert"):
 """
 
 
-@pytest.mark.parametrize("order", ["bert-impl first", "peft first"])
+@pytest.mark.parametrize("order", ["bert-impl first", pytest.param("peft first", marks=pytest.mark.slow)])
 def test_peft_defaults_need_no_call_in_a_fresh_process(order, tmp_path):
     """A stock user's LoRA code on our models, in a Python that imports bert-impl (before peft or after it) and calls
     nothing else: `LoraConfig(task_type="SEQ_CLS")` without `target_modules` targets query and value on BERT and on

@@ -519,7 +519,8 @@ else:
 """
 
 
-@pytest.mark.parametrize("lru", ["0", "32", None], ids=["LRU_CACHE_CAPACITY=0", "LRU_CACHE_CAPACITY=32", "unset"])
+@pytest.mark.parametrize("lru", ["0", pytest.param("32", marks=pytest.mark.slow), pytest.param(None, marks=pytest.mark.slow)],
+                         ids=["LRU_CACHE_CAPACITY=0", "LRU_CACHE_CAPACITY=32", "unset"])
 def test_onednn_caches_are_bounded_and_a_cache_turned_off_is_refused(lru):
     """In a process of its own (both caches are sized at oneDNN's first use): where the environment does not size
     oneDNN's caches the engine sets them to CACHE_CAPACITY entries; a size given is kept; LRU_CACHE_CAPACITY=0, with
