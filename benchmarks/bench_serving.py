@@ -2,6 +2,7 @@
 
     python benchmarks/bench_serving.py --part busy          # batch-1 latency quiet, then with one core kept busy
     python benchmarks/bench_serving.py --part clients       # 1, 2 and 4 client threads sending single queries
+    python benchmarks/bench_serving.py --part call          # the compiled call's own Python work, and its profile
 
 all-MiniLM-L6-v2 (bench_engines.py's engines and their builders: 2 threads each, ONNX Runtime's without spinning,
 OpenVINO's with a latency hint), float32. Queries: 1 x 16 tokens, and 1 x 16 padded from 12 real tokens, as a server
@@ -13,10 +14,16 @@ that pads to a fixed length sends them.
   neighbour a shared machine has.
 - clients: for each engine in turn, `--clients` threads of this process (as a web server's workers call the model)
   each sending single queries back to back for `--seconds`; p50 and p99 latency and queries per second in all.
+- call: `compile_for_inference`'s model on each query, its median latency, then the same with its program replaced by
+  a stub that returns the program's outputs for the shape (so what is left is the call's own work: the checks, the
+  choice of program, the output), calls alternating; then cProfile's largest entries over the stubbed calls.
 """
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -128,12 +135,55 @@ def clients_part(engines: dict, clients: list[int], seconds: float, threads: int
             print(f"| {name} | {n} | {p50:.2f} | {p99:.2f} | {len(every) / seconds:.0f} |", flush=True)
 
 
+def call_part(workdir: str, rounds: int, calls: int) -> None:
+    model = compile_for_inference(BertImplModel.from_pretrained(minilm_dir()).eval(), os.path.join(workdir, "m.pt2"))
+    encoder = model.compiled_encoder
+    program, outputs = encoder.run, {}
+
+    def stub(args):  # the program's outputs for these inputs' shapes, computed once
+        key = tuple(a.shape for a in args)
+        if key not in outputs:
+            outputs[key] = program(args)
+        return outputs[key]
+
+    def median_us(inputs, run) -> float:
+        encoder.run = run
+        times = []
+        with torch.inference_mode():
+            for _ in range(calls):
+                start = time.perf_counter()
+                model(**inputs)
+                times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    print("\n| query | the call (us) | the call's own work, program stubbed (us) |\n|---|---:|---:|")
+    for query, batch in queries().items():
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        median_us(inputs, stub), median_us(inputs, program)  # warm up
+        full, own = [], []
+        for _ in range(rounds):
+            full.append(median_us(inputs, program))
+            own.append(median_us(inputs, stub))
+        print(f"| {query} | {statistics.median(full):.0f} | {statistics.median(own):.0f} |", flush=True)
+    for query, batch in queries().items():
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        encoder.run, profile = stub, cProfile.Profile()
+        with torch.inference_mode():
+            profile.runcall(lambda: [model(**inputs) for _ in range(calls * rounds)])
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+        print(f"\n{query}, {calls * rounds} stubbed calls under cProfile (its own cost included):")
+        print("\n".join(line for line in text.getvalue().splitlines() if line.strip()
+                        and not line.startswith(("   Ordered", "   List"))))
+    encoder.run = program
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", nargs="*", default=["busy", "clients"], choices=["busy", "clients"])
+    parser.add_argument("--part", nargs="*", default=["busy", "clients"], choices=["busy", "clients", "call"])
     parser.add_argument("--engines", nargs="*", default=ENGINES, choices=ENGINES)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--calls", type=int, default=20, help="calls per engine's turn (busy)")
+    parser.add_argument("--calls", type=int, default=20, help="calls per engine's turn (busy, call)")
     parser.add_argument("--clients", nargs="*", type=int, default=[1, 2, 4])
     parser.add_argument("--seconds", type=float, default=10.0, help="per engine and number of clients (clients)")
     parser.add_argument("--threads", type=int, default=bench_engines.THREADS,
@@ -146,7 +196,9 @@ def main():
           f"({torch.backends.cpu.get_cpu_capability()}); OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; "
           f"load {loadavg()}")
     with tempfile.TemporaryDirectory() as workdir:
-        engines = build(args.engines, workdir)
+        if "call" in args.part:
+            call_part(workdir, args.rounds, args.calls)
+        engines = build(args.engines, workdir) if {"busy", "clients"} & set(args.part) else {}
         if "busy" in args.part:
             busy_part(engines, args.rounds, args.calls)
         if "clients" in args.part:

@@ -243,6 +243,7 @@ def test_model_and_tokenizer_pushes_upload_what_a_stranger_needs(pushed):
         assert f'{info["auto"]}.from_pretrained("{repo_id}", trust_remote_code=True)' in card.text
 
 
+@pytest.mark.slow
 def test_pull_by_repo_id_in_a_python_without_the_package(pushed, tokenizer, run_without_package, tmp_path):
     """A stranger with only transformers: every head and the tokenizer by repo id with trust_remote_code, same
     tokens and outputs as the pushed model; `revision=` pins a commit; the card's snippet runs as written."""
