@@ -730,6 +730,7 @@ def fsdp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
                     reason=f"FSDP2 on CPU (gloo) is torch's: torch 2.6 fails ('Stream' has no 'record_event'), torch "
                            f"2.7's gradients differ from one process's; run from torch 2.13 (installed: "
                            f"{torch.__version__})")
+@pytest.mark.slow
 def test_fsdp2_on_cpu_takes_the_padding_free_path_and_equals_one_process(tmp_path):
     import torch.multiprocessing as mp
 

@@ -211,6 +211,7 @@ def test_batch_of_padding_only_runs():
     assert out.last_hidden_state.shape == (2, 5, 32) and torch.isfinite(out.pooler_output).all()
 
 
+@pytest.mark.slow
 @needs_tracing
 def test_compiled_model_matches_in_both_layouts():
     """Under torch.compile: inference takes the bucketed layout (its host steps as custom ops), training the exact one."""
