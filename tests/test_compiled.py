@@ -676,13 +676,34 @@ def test_an_int8_model_compiles(small_int8_package, encoder_state):
                                                                                    attention_mask=empty_row))
     groups = program_runs(padded["attention_mask"])
     assert runs == len(calls) == 1 + groups and groups > 2
-    # the program's products are the traced formulation's (2e-7 apart); the kernel's rounding and float32 are 1e-4 away
+    # the program's products are the traced formulation's; the kernel's rounding and float32 are 1e-4 away
     for g, e in ((got, expected), (got_padded, expected_padded)):
-        assert_same_outputs(g, type(e)(**{k: v.detach() for k, v in e.items()}))
+        assert_same_int8_outputs(g, type(e)(**{k: v.detach() for k, v in e.items()}))
     assert (got_padded.last_hidden_state[padded["attention_mask"] == 0] == 0).all()
     assert F.cosine_similarity(got.last_hidden_state, kernel.last_hidden_state, dim=-1).min() > 0.99
     with pytest.raises(ValueError, match="another model or weights"):
         bi.compile_for_inference(small_int8_model(encoder_state, seed=13), path)
+
+
+# One uint8 level of an activation: 1/127 of its row's largest |x|. Where an activation lies within a float32 rounding
+# of the edge between two levels, the program (whose kernels scale by a reciprocal where the traced formulation divides,
+# and accumulate the int8 products in int32 where it sums float32 ones) and the traced formulation can round it to
+# neighbouring levels: that token's product moves by one level times its weights. In the last layer this moves one
+# token of the SMALL model by up to 4e-5 (3.8e-5 measured on the AVX-512 and AMX kernels with one thread); in an earlier
+# layer, attention spreads it over the token's sequence. Elsewhere the two agree to float32 rounding (5e-7 measured).
+LEVEL_FLIP_BOUND = 1e-4
+FLIPPED_ROWS = 2  # rows (tokens, pooled sequences) over float32 rounding of the traced formulation, at most
+
+
+def assert_same_int8_outputs(got, expected):
+    """The int8 program's outputs against the traced formulation's: each row within float32 rounding (1e-5) but at
+    most FLIPPED_ROWS of them, which are within LEVEL_FLIP_BOUND."""
+    got, expected = output_tensors(got), output_tensors(expected)
+    assert got.keys() == expected.keys() and got
+    for name, e in expected.items():
+        assert got[name].shape == e.shape, name
+        rows = (got[name] - e).abs().reshape(-1, e.shape[-1]).amax(-1)  # per token (or per pooled sequence)
+        assert rows.max().item() < LEVEL_FLIP_BOUND and (rows >= 1e-5).sum().item() <= FLIPPED_ROWS, (name, rows)
 
 
 def test_a_nan_in_one_row_of_an_int8_batch_stays_in_that_row(small_int8_package, encoder_state):
