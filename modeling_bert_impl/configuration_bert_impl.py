@@ -62,15 +62,20 @@ class BertImplConfig(PreTrainedConfig):
     tie_word_embeddings: bool = True
     unpad_inputs: bool | None = None
     sparse_prediction: bool = False
+    # Stock's decoder switches, there so that code reading them (transformers' EncoderDecoderModel, model testers)
+    # finds stock's defaults; True is refused (`check_supported`).
+    is_decoder: bool = False
+    add_cross_attention: bool = False
 
     def __post_init__(self, **kwargs):
-        # Stock BERT configs carry these; accept what this model implements, refuse the rest.
-        if kwargs.pop("position_embedding_type", "absolute") != "absolute":
-            raise ValueError("only absolute (learned) position embeddings are implemented")
-        if kwargs.pop("is_decoder", False) or kwargs.pop("add_cross_attention", False):
-            raise ValueError("bert-impl is a bidirectional encoder: is_decoder/add_cross_attention are not supported")
+        # Stock BERT configs carry these: an older BERT's position_embedding_type (refused but for "absolute"), and
+        # use_cache, which stock reads only in a decoder (an encoder has nothing to cache, as stock's does not).
+        position_embedding_type = kwargs.pop("position_embedding_type", "absolute")
+        if position_embedding_type != "absolute":
+            self.position_embedding_type = position_embedding_type  # refused just below
         for stock_only in ("use_cache", "model_type", "gradient_checkpointing"):
             kwargs.pop(stock_only, None)
+        check_supported(self)
         self._check_sizes()
         super().__post_init__(**kwargs)
 
@@ -111,3 +116,21 @@ class BertImplConfig(PreTrainedConfig):
         layers, hidden, heads = PRESETS[name]
         sizes = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden)
         return cls(**{**sizes, **kwargs})
+
+
+def check_supported(config) -> None:
+    """What a BERT config (ours, or a stock one given to a patched class: integrations/patching.py) can ask for and
+    this encoder does not implement, refused with a ValueError naming the field: at construction, and again when a
+    model is built and on every forward, since transformers' model testers, EncoderDecoderModel and user code set
+    these on a config that exists (`config.is_decoder = True`)."""
+    position_embedding_type = getattr(config, "position_embedding_type", "absolute")
+    if position_embedding_type != "absolute":
+        raise ValueError(f"config.position_embedding_type={position_embedding_type!r}: only 'absolute' (learned) "
+                         "position embeddings are implemented")
+    for name in ("is_decoder", "add_cross_attention"):
+        if getattr(config, name, False):
+            raise ValueError(
+                f"config.{name}=True: bert-impl is a bidirectional encoder with no causal mask and no "
+                "cross-attention. For a decoder take transformers' BertLMHeadModel (as EncoderDecoderModel's "
+                "decoder it works beside a bert-impl encoder); set it back to False for an encoder"
+            )

@@ -31,6 +31,16 @@ def require_tracing_torch(feature: str, instead: str) -> None:
                          f"{torch.__version__}); upgrade torch, {instead}")
 
 
+def refuse_cross_attention(kwargs: dict) -> None:
+    """A decoder's inputs, which this bidirectional encoder has no cross-attention to read (stock BERT's encoder skips
+    them without a word): a ValueError naming the argument, so that no caller believes they were attended."""
+    for name in ("encoder_hidden_states", "encoder_attention_mask"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} was given, but bert-impl is a bidirectional encoder without cross-attention: it "
+                             "would not read it. For a decoder that attends to an encoder's states, take transformers' "
+                             "BertLMHeadModel (is_decoder=True, add_cross_attention=True)")
+
+
 class ValueCheck(NamedTuple):
     value: torch.Tensor  # 0-d
     low: float  # lowest allowed

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
+from typing_extensions import Unpack
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
@@ -36,13 +37,20 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import ModelOutput, logging
+from transformers.utils import ModelOutput, TransformersKwargs, logging
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
-from .configuration_bert_impl import BertImplConfig
+from .configuration_bert_impl import BertImplConfig, check_supported
 from .dropout import BertImplDropout
-from .input_checks import IGNORE_INDEX, class_label_checks, position_label_checks, read_batch, require_tracing_torch
+from .input_checks import (
+    IGNORE_INDEX,
+    class_label_checks,
+    position_label_checks,
+    read_batch,
+    refuse_cross_attention,
+    require_tracing_torch,
+)
 from .layouts import STANDALONE, choose_layout, remember_forwards
 from .stock_format import old_names_conversion, stock_name, write_stock_config
 
@@ -194,12 +202,21 @@ class BertImplLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: BertImplConfig, layer_idx: int | None = None):
         super().__init__()
+        self.chunk_size_feed_forward = config.chunk_size_feed_forward  # rows the feed-forward takes at once; 0: all
         self.attention = BertImplAttention(config, layer_idx)
         self.intermediate = BertImplIntermediate(config)
         self.output = BertImplOutput(config)
 
     def forward(self, hidden_states, attention_mask=None, layout=STANDALONE, **kwargs):
         attention_output, _ = self.attention(hidden_states, attention_mask, layout=layout, **kwargs)
+        if not self.chunk_size_feed_forward:
+            return self.feed_forward(attention_output)
+        chunks = attention_output.split(self.chunk_size_feed_forward, dim=-2)  # along T, or the P rows
+        return torch.cat([self.feed_forward(chunk) for chunk in chunks], dim=-2)
+
+    def feed_forward(self, attention_output):
+        """Each token's feed-forward, residual and LayerNorm: the same rows whole or in chunks (stock's
+        `chunk_size_feed_forward`, which trades time for the memory of the (T, intermediate_size) activations)."""
         return self.output(self.intermediate(attention_output), attention_output)
 
 
@@ -213,20 +230,33 @@ class BertImplEncoder(nn.Module):
         self.layer = nn.ModuleList(BertImplLayer(config, i) for i in range(config.num_hidden_layers))
         self.gradient_checkpointing = False
 
-    def forward(self, hidden_states, attention_mask=None, layout=STANDALONE, output_hidden_states: bool = False,
-                **kwargs) -> BaseModelOutput:
-        """With `output_hidden_states` the rows leave before each layer, and the next layer reads what is returned
-        (retain_grad on it works)."""
+    def forward(self, hidden_states, attention_mask=None, layout=STANDALONE,
+                output_hidden_states: bool | int | list[int] = False, **kwargs) -> BaseModelOutput:
+        """`output_hidden_states`: True for the L + 1 hidden states (the embeddings', then each layer's), or the
+        indices of those to return as transformers 5.24 takes them (`[0, -1]`), None in the others' places. The rows
+        leave before each one returned, and the next layer reads what is returned (retain_grad on it works)."""
+        kept = selected_hidden_states(output_hidden_states, len(self.layer))
         x = layout.enter(hidden_states)  # (B, T, H) or (P, H)
         all_hidden = []
-        for layer in self.layer:
-            if output_hidden_states:
-                all_hidden.append(layout.leave(x))  # (B, T, H)
+        for i, layer in enumerate(self.layer):
+            all_hidden.append(layout.leave(x) if i in kept else None)  # (B, T, H)
+            if i in kept:
                 x = layout.enter(all_hidden[-1])
             x = layer(x, attention_mask, layout=layout, **kwargs)
         last = layout.leave(x)  # (B, T, H)
-        return BaseModelOutput(last_hidden_state=last,
-                               hidden_states=(*all_hidden, last) if output_hidden_states else None)
+        hidden_states = (*all_hidden, last if len(self.layer) in kept else None) if output_hidden_states else None
+        return BaseModelOutput(last_hidden_state=last, hidden_states=hidden_states)
+
+
+def selected_hidden_states(output_hidden_states: bool | int | list[int] | None, num_layers: int) -> set[int]:
+    """The indices of the L + 1 hidden states that `output_hidden_states` selects: all for True, none for False or
+    None, else those of an int or a list, negative ones counted from the end and those out of range dropped (as
+    transformers' `capture_outputs` selects stock's)."""
+    n = num_layers + 1
+    if output_hidden_states is None or isinstance(output_hidden_states, bool):
+        return set(range(n)) if output_hidden_states else set()
+    chosen = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
+    return {i % n for i in chosen if -n <= i < n}
 
 
 class BertImplPooler(nn.Module):
@@ -391,6 +421,10 @@ class BertImplPreTrainedModel(PreTrainedModel):
     embeddings_class: type
     auto_classes: dict
 
+    def __init__(self, config: BertImplConfig, *inputs, **kwargs):
+        check_supported(config)  # a decoder's switches set on the config after it was made
+        super().__init__(config, *inputs, **kwargs)
+
     def add_base_model(self, **kwargs) -> None:
         """A head's encoder model, as `self.<base_model_prefix>` (`self.bert`, `self.roberta`)."""
         setattr(self, self.base_model_prefix, self.base_model_class(self.config, **kwargs))
@@ -503,7 +537,7 @@ class BertImplModel(BertImplPreTrainedModel):
         past_key_values: Cache | None = None,
         label_checks: list | None = None,
         pool_with: nn.Module | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPooling:
         r"""
         A padded batch (`input_ids` (B, T) with `attention_mask`), or a packed one as transformers'
@@ -524,7 +558,13 @@ class BertImplModel(BertImplPreTrainedModel):
         with C keys and values for every layer, attended ahead of the tokens' own, as PEFT's prefix tuning makes it;
         positions then start at C, as in transformers' BERT. The padded path runs it; `attention_mask` is the tokens'
         (B, T) or peft's (B, C + T) with ones over the C cached keys.
+
+        `output_hidden_states`: True, or the indices of the hidden states to return (None in the others' places), as
+        transformers 5.24 takes them. A decoder's inputs (`encoder_hidden_states`, `encoder_attention_mask`) are
+        refused, as is a config switched to a decoder after the model was built (`check_supported`).
         """
+        check_supported(self.config)
+        refuse_cross_attention(kwargs)
         output_attentions = config_default(output_attentions, self.config.output_attentions)
         output_hidden_states = config_default(output_hidden_states, self.config.output_hidden_states)
         batch = read_batch(self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -580,7 +620,7 @@ class BertImplForPreTraining(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, next_sentence_label=None, **kwargs):
+                labels=None, next_sentence_label=None, **kwargs: Unpack[TransformersKwargs]):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. next_sentence_label: (B,) 0 = B follows A.
 
         `prediction_logits` is (B, T, V); with labels and `config.sparse_prediction` (off by default), the masked rows
@@ -626,7 +666,7 @@ class BertImplForMaskedLM(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs):
+                labels=None, **kwargs: Unpack[TransformersKwargs]):
         r"""labels: (B, T) token ids at masked positions, -100 elsewhere. `logits` is (B, T, V); with labels and
         `config.sparse_prediction` (off by default), the masked rows only: (M, V) in row-major (B, T) order."""
         checks = mlm_label_checks(labels, self.config)
@@ -646,7 +686,7 @@ class BertImplForNextSentencePrediction(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs):
+                labels=None, **kwargs: Unpack[TransformersKwargs]):
         checks = class_label_checks("labels", labels, 2, "2", "class ids")
         out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
                               label_checks=checks, **kwargs)
@@ -677,7 +717,7 @@ class BertImplForSequenceClassification(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs):
+                labels=None, **kwargs: Unpack[TransformersKwargs]):
         r"""labels: (B,) class ids, (B,) floats for regression (num_labels == 1), or (B, C) multi-hot floats."""
         checks = sequence_classification_label_checks(labels, self.config)
         out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
@@ -705,7 +745,7 @@ class BertImplForTokenClassification(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs):
+                labels=None, **kwargs: Unpack[TransformersKwargs]):
         r"""labels: (B, T) class ids, -100 where no label applies (padding, special tokens, later sub-words)."""
         checks = class_label_checks("labels", labels, self.num_labels, f"num_labels={self.num_labels}", "class ids")
         out = self.base_model(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, return_dict=True,
@@ -730,7 +770,7 @@ class BertImplForQuestionAnswering(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                start_positions=None, end_positions=None, **kwargs):
+                start_positions=None, end_positions=None, **kwargs: Unpack[TransformersKwargs]):
         r"""start_positions, end_positions: (B,) token indices of the answer span; positions outside the sequence
         are clamped to T and ignored (as in transformers).
 
@@ -765,7 +805,7 @@ class BertImplForMultipleChoice(BertImplPreTrainedModel):
 
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                labels=None, **kwargs):
+                labels=None, **kwargs: Unpack[TransformersKwargs]):
         r"""Inputs are (B, C, T) for C choices; labels: (B,) the index of the right choice."""
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is None or reference.dim() < 3:

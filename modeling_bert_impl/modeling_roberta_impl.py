@@ -44,12 +44,25 @@ class RobertaImplEmbeddings(BertImplEmbeddings):
                                                 padding_idx=self.padding_idx)
 
     def positions(self, input_ids, embeddings, cache_length: int = 0) -> torch.Tensor:
-        """From the ids (fairseq's `make_positions`): each row's tokens other than padding_idx counted from
-        padding_idx + C + 1, padding_idx at padding (B, T); without ids, padding_idx + 1, ... (1, T)."""
+        """From the ids (`create_position_ids_from_input_ids`), (B, T); without ids, padding_idx + 1, ... (1, T)."""
         if input_ids is None:
             return self.position_ids[:, self.position_offset:self.position_offset + embeddings.shape[1]]
-        tokens = input_ids.ne(self.padding_idx).long()  # (B, T)
-        return (tokens.cumsum(1) + cache_length) * tokens + self.padding_idx
+        return self.create_position_ids_from_input_ids(input_ids, self.padding_idx, cache_length)
+
+    # Stock RobertaEmbeddings' position helpers, which user code calls on the class (and so on ours).
+    @staticmethod
+    def create_position_ids_from_input_ids(input_ids, padding_idx: int, cache_length: int = 0) -> torch.Tensor:
+        """fairseq's `make_positions`: each row's tokens other than `padding_idx` counted from padding_idx + C + 1
+        (C cached keys ahead of them), `padding_idx` at padding. (B, T) ids -> (B, T) int64."""
+        tokens = input_ids.ne(padding_idx).long()  # (B, T)
+        return (tokens.cumsum(1) + cache_length) * tokens + padding_idx
+
+    @staticmethod
+    def create_position_ids_from_inputs_embeds(inputs_embeds, padding_idx: int) -> torch.Tensor:
+        """Without ids padding cannot be told apart: padding_idx + 1, ... for every row. (B, T, H) -> (B, T) int64."""
+        B, T = inputs_embeds.shape[:2]
+        positions = torch.arange(padding_idx + 1, T + padding_idx + 1, device=inputs_embeds.device)  # (T,)
+        return positions[None].expand(B, T)
 
 
 class RobertaImplLMHead(nn.Module):

@@ -34,6 +34,7 @@ from transformers.models.auto import modeling_auto
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 from transformers.utils import logging
 
+from ..configuration_bert_impl import check_supported
 from ..modeling_bert_impl import AUTO_CLASSES
 from ..modeling_roberta_impl import FAMILIES
 from ..stock_format import OUR_FIELDS, stock_name, write_stock_config
@@ -51,11 +52,11 @@ STOCK_FAMILIES = {"bert": (BertConfig, AUTO_CLASSES), **{
 
 def implements(config) -> bool:
     """Whether bert-impl computes what this stock config describes (a bidirectional encoder, absolute positions)."""
-    return (
-        not getattr(config, "is_decoder", False)
-        and not getattr(config, "add_cross_attention", False)
-        and getattr(config, "position_embedding_type", "absolute") == "absolute"
-    )
+    try:
+        check_supported(config)
+    except ValueError:
+        return False
+    return True
 
 
 def patched_stock_classes() -> list[str]:
