@@ -17,6 +17,7 @@ window). For a SQuAD v2 model (`version_2_with_negative`), the answer is none wh
 best span's by more than `null_score_diff_threshold`.
 """
 
+import needs_extra  # noqa: F401  (first: says what to install where the recipes extra is missing)
 import argparse
 import json
 import math

@@ -127,7 +127,8 @@ def setup_logging(training_args: TrainingArguments) -> None:
             if not any(isinstance(f, RedactingFilter) for f in handler.filters):
                 handler.addFilter(RedactingFilter())
     logger.info(f"Training/evaluation parameters {training_args}")
-    logger.warning(f"precision: {precision(training_args)}")
+    said = precision(training_args)  # information, but a warning where bfloat16 runs slower than float32 would
+    (logger.warning if "slower" in said else logger.info)(f"precision: {said}")
 
 
 def load_tokenizer(model_args: ModelArguments):

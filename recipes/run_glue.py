@@ -21,6 +21,7 @@ Writes into --output_dir the model and tokenizer, `all_results.json` (train_*, e
 `predict_results_<task>.txt` (label names), and a model card.
 """
 
+import needs_extra  # noqa: F401  (first: says what to install where the recipes extra is missing)
 import logging
 import os
 import re

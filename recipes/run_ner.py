@@ -20,6 +20,7 @@ Writes into --output_dir the model and tokenizer, `all_results.json`, with --do_
 predicted tags per sentence), and a model card.
 """
 
+import needs_extra  # noqa: F401  (first: says what to install where the recipes extra is missing)
 import os
 from dataclasses import dataclass, field
 

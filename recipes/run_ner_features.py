@@ -38,6 +38,7 @@ Writes into --output_dir, per feature choice, a folder with the head (`model.saf
 `predict(head_dir, sentences)` tags new sentences with a saved head and its encoder.
 """
 
+import needs_extra  # noqa: F401  (first: says what to install where the recipes extra is missing)
 import dataclasses
 import hashlib
 import json

@@ -23,6 +23,7 @@ estimates the time left. Evaluation adds eval_mlm_loss, eval_mlm_accuracy, eval_
 eval_nsp_accuracy).
 """
 
+import needs_extra  # noqa: F401  (first: says what to install where the recipes extra is missing)
 import copy
 import dataclasses
 import glob

@@ -23,6 +23,7 @@ Writes into --output_dir the model and tokenizer, `all_results.json`, `predictio
 `null_odds.json` (id -> null score - best span score), with --do_predict `predict_predictions.json`, and a model card.
 """
 
+import needs_extra  # noqa: F401  (first: says what to install where the recipes extra is missing)
 import json
 import logging
 import os

@@ -375,6 +375,9 @@ def test_console_script_entry_point_resolves(capsys):
     assert exit_info.value.code == 0
     usage = capsys.readouterr().out
     assert usage.startswith("usage: bert-impl-export") and "--task" in usage and "text-classification" in usage
+    description = " ".join(usage.split("\n\n")[1].split())
+    assert description.endswith("checked against PyTorch in onnxruntime.")  # a whole sentence
+    assert "RoBERTa" in " ".join(usage.split())  # MODEL's help names the families it exports
 
 
 def test_the_export_command_without_onnx_says_what_to_install(tmp_path, monkeypatch):

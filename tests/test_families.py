@@ -329,6 +329,20 @@ def test_the_export_command_takes_the_families(tmp_path):
     exported = json.loads((tmp_path / "onnx" / "export.json").read_text())
     assert exported["class"] == "XLMRobertaImplForSequenceClassification" and exported["task"] == "text-classification"
     assert json.loads((tmp_path / "onnx" / "config.json").read_text())["model_type"] == "xlm-roberta"
+    assert sorted(path.name for path in (tmp_path / "onnx").iterdir()) == ["config.json", "export.json", "model.onnx"]
+
+
+def test_the_export_command_makes_up_no_tokenizer(tmp_path):
+    """A folder without tokenizer files has no tokenizer to export (transformers would build a placeholder for
+    XLM-RoBERTa: a Unigram vocabulary of 5 entries); a folder with a tokenizer's files has it."""
+    from modeling_bert_impl.integrations import export
+
+    stock_folder("xlm-roberta", "ForSequenceClassification", tmp_path / "stock")
+    assert export.load_tokenizer(str(tmp_path / "stock")) is None
+    transformers.BertModel(transformers.BertConfig(**SMALL)).save_pretrained(tmp_path / "bert")
+    (tmp_path / "bert" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "dog"]))
+    tokenizer = export.load_tokenizer(str(tmp_path / "bert"))
+    assert tokenizer("the dog")["input_ids"] == [2, 5, 6, 3]
 
 
 def test_the_model_card_names_the_familys_head(tmp_path):

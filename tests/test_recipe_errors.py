@@ -535,3 +535,30 @@ def test_overwrite_output_dir_deletes_the_earlier_checkpoints_and_results(tmp_pa
         (tmp_path / name).write_text("{}")
     training_args("--output_dir", tmp_path, "--overwrite_output_dir")
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "notes.txt"]
+
+
+RECIPE_SCRIPTS = ["run_glue.py", "run_ner.py", "run_ner_features.py", "run_pretraining.py", "run_qa.py", "run_swag.py",
+                  "answer.py"]
+
+
+@pytest.mark.parametrize("script", RECIPE_SCRIPTS)
+def test_a_recipe_without_the_recipes_extra_names_it(script):
+    """After `pip install -e .` without the `recipes` extra, a recipe stops with the extra's name and the packages
+    missing, before its imports would end in a bare ModuleNotFoundError; every package of the extra in
+    pyproject.toml is checked."""
+    import subprocess
+    import tomllib
+
+    import needs_extra
+
+    extra = tomllib.loads((RECIPES.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["recipes"]
+    assert sorted(needs_extra.RECIPES_EXTRA.values()) == sorted(re.split("[<>=]", r)[0] for r in extra)
+    code = ("import runpy, sys; sys.modules['datasets'] = sys.modules['seqeval'] = None; "
+            f"sys.argv = [{script!r}, '--help']; sys.path.insert(0, {str(RECIPES)!r}); "
+            f"runpy.run_path({str(RECIPES / script)!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"{script} needs datasets, seqeval, of bert-impl's `recipes` extra: run pip install "
+                                   "-e \".[recipes]\" in the root of the bert-impl clone (or pip install datasets "
+                                   "seqeval)")

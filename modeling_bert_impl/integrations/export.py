@@ -1,5 +1,7 @@
-"""Export a bert-impl model (or a stock BERT folder) to ONNX, with dynamic batch and sequence axes, checked against
-PyTorch in onnxruntime:
+"""Export a bert-impl model, or a stock folder of BERT or its descendants, to ONNX with dynamic batch and sequence
+axes, checked against PyTorch in onnxruntime.
+
+Usage:
 
     python -m modeling_bert_impl.integrations.export MODEL OUTPUT_DIR [--task TASK] [--overwrite]
     bert-impl-export MODEL OUTPUT_DIR ...                  (the same, as a console script)
@@ -7,7 +9,7 @@ PyTorch in onnxruntime:
 MODEL is a folder or a Hub id, of BERT or of one of its descendants (RoBERTa, XLM-RoBERTa, CamemBERT); TASK one of
 the tasks of tasks.py's table (default: the folder's architecture). OUTPUT_DIR gets model.onnx (weights inside, or
 beside it in model.onnx.data above 1 GiB), config.json (the stock family's, by `stock_format.write_stock_config`),
-the tokenizer files when MODEL has them, and export.json (what was exported and the measured max |diff| against
+the tokenizer files when MODEL has some (none are made up where it has none), and export.json (what was exported and the measured max |diff| against
 PyTorch on a padded sample batch of another shape than the one exported). The graph is torch.export's of the padded
 path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask, token_type_ids, each (batch, sequence), or
 (batch, choices, sequence) for multiple choice.
@@ -28,6 +30,24 @@ from .tasks import HEADS, TASKS, auto_class_of, head_class
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 EXPORTERS = ("onnx", "onnxscript", "onnxruntime")  # torch.onnx's exporter needs the first two; the check the third
 SAMPLE_TEXTS = ["The quick brown fox jumps over the lazy dog.", "Short.", "BERT reads text in both directions at once."]
+# The files a tokenizer of the family loads from: fast, slow WordPiece (BERT), byte-level BPE (RoBERTa), SentencePiece
+# (XLM-RoBERTa, CamemBERT).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "sentencepiece.bpe.model")
+
+
+def load_tokenizer(model_id: str):
+    """MODEL's tokenizer, or None where it has no tokenizer file: transformers would build a placeholder then (an
+    XLM-RoBERTa folder gets a Unigram vocabulary of 5 entries), which must not reach the exported folder."""
+    from transformers import AutoTokenizer
+    from transformers.utils import cached_file
+
+    if not any(cached_file(model_id, name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False) for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError):
+        return None
 
 
 def default_task(config) -> str:
@@ -79,7 +99,7 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
                          "installed: pip install 'bert-impl[export]' (or pip install onnx onnxscript onnxruntime)")
     import onnxruntime
     import transformers
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from ..stock_format import stock_name, write_stock_config
 
@@ -91,10 +111,7 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
     config = AutoConfig.from_pretrained(model_id)
     task = task or default_task(config)
     model = head_class(task, config.model_type).from_pretrained(model_id).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_id)
-    except (OSError, ValueError):
-        tokenizer = None
+    tokenizer = load_tokenizer(model_id)
     choices = 2 if task == "multiple-choice" else None
 
     example = sample_batch(tokenizer, model.config, SAMPLE_TEXTS[:2], choices)
@@ -141,7 +158,8 @@ def export(model_id: str, output_dir: str, task: str | None = None, overwrite: b
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bert-impl-export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="a model folder or Hub id (bert-impl or stock BERT)")
+    parser.add_argument("model", help="a model folder or Hub id: bert-impl's, or stock BERT's, RoBERTa's, "
+                                      "XLM-RoBERTa's or CamemBERT's")
     parser.add_argument("output_dir", help="where to write model.onnx (must be empty or new, unless --overwrite)")
     parser.add_argument("--task", choices=list(TASKS), default=None,
                         help="the head to export (default: the model's architecture)")
