@@ -8,7 +8,10 @@ skipped, saying so, where they were not fetched. `parameterized`, which they imp
 
 `BertImplModelTester` follows transformers' `BertModelTester` (tests/models/bert/test_modeling_bert.py), at small
 sizes to keep the module fast, and its RoBERTa counterpart (`RobertaModelTester`: the same sizes and inputs, RoBERTa's
-padding id). Deselected tests are listed in `DESELECTED`, each with its reason.
+padding id). Deselected tests are listed in `DESELECTED`, each with its reason. BERT and each family skip the same
+tests. One of the mixin's own skips is ours to answer: test_can_capture_specific_layers_hidden_states runs only where
+hooks record the hidden states (`_can_record_outputs`), and our encoder collects them itself (re-padded from the
+padding-free rows); tests/test_stock_contract.py checks the same selection by index against stock's classes.
 """
 
 import sys
