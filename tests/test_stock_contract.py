@@ -248,22 +248,33 @@ SELECTIONS = [[0, 2], -1, 1, [0, -1], [-3], [5, 0], True, False, None]
 @pytest.mark.parametrize("family,head", [("bert", "Model"), ("bert", "ForTokenClassification"),
                                          ("roberta", "ForMaskedLM")])
 def test_hidden_states_selected_by_index_as_stock(family, head, selection):
-    """`output_hidden_states` as indices (transformers 5.24): the selected hidden states as stock gives them, None in
-    the others' places, on the padded and the padding-free path alike."""
+    """`output_hidden_states` as indices (transformers 5.24): the selected hidden states of stock's full list, None in
+    the others' places (negative indices from the end, those out of range dropped), on the padded and the
+    padding-free path alike; and where the installed transformers selects so too, stock's own answer."""
     stock, ours, _ = built_pair(family, head, "num_hidden_layers", 2)
     batch = padded_batch(ours.config, head)
     mask = batch["attention_mask"].bool()
     with torch.no_grad():
-        expected = stock.eval()(**batch, output_hidden_states=selection).hidden_states
+        every = stock.eval()(**batch, output_hidden_states=True).hidden_states  # L + 1 = 3
+        n = len(every)
+        chosen = [selection] if isinstance(selection, int) and not isinstance(selection, bool) else selection
+        kept = set(range(n)) if selection is True else {i % n for i in chosen if -n <= i < n} if chosen else set()
+        expected = tuple(h if i in kept else None for i, h in enumerate(every)) if selection else None
+        if hasattr(transformers.utils.output_capturing, "selected_hidden_states"):  # transformers >= 5.24
+            assert same_hidden_states(stock(**batch, output_hidden_states=selection).hidden_states, expected, mask)
         for unpad in (None, False):  # the padding-free layout, and the padded one
             ours.config.unpad_inputs = unpad
-            got = ours.eval()(**batch, output_hidden_states=selection).hidden_states
-            assert (got is None) == (expected is None)
-            for g, e in zip(got or (), expected or ()):
-                assert (g is None) == (e is None)
-                if e is not None:
-                    torch.testing.assert_close(g[mask], e[mask], atol=1e-5, rtol=1e-5)
-            assert len(got or ()) == len(expected or ())
+            assert same_hidden_states(ours.eval()(**batch, output_hidden_states=selection).hidden_states, expected,
+                                      mask)
+
+
+def same_hidden_states(got, expected, mask) -> bool:
+    """Both None, or tuples of the same length with None in the same places and the same values at real tokens."""
+    if got is None or expected is None:
+        return got is None and expected is None
+    return len(got) == len(expected) and all(
+        (g is None and e is None) or (g is not None and e is not None and torch.allclose(g[mask], e[mask], atol=1e-5))
+        for g, e in zip(got, expected))
 
 
 @pytest.mark.parametrize("model_class", [*bi.AUTO_CLASSES.values(), *(c for classes in bi.FAMILIES.values()
