@@ -1,0 +1,315 @@
+"""The HTTP routes: text-embeddings-inference's (`/embed`, `/predict`, `/rerank`, `/tokenize`, `/info`, `/health`,
+`/metrics`, and `/` as TEI routes it by the model's kind) and OpenAI's `/v1/embeddings`, over one `Engine` and its
+`Batcher`.
+
+Every route answers its errors in its API's shape: TEI's `{"error", "error_type"}`, OpenAI's `{"error": {"message",
+"type", "param", "code"}}`; 422 for a malformed body (the field named), 413 for too many inputs or too long an input
+(the limit named), 429 with Retry-After when the queue is full, 401 without the API key where one is set, 500 for a
+batch that failed (the server goes on). Tokenizing runs in a thread pool, never on the event loop.
+"""
+
+import asyncio
+import base64
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from .batching import Batcher
+from .engine import Encoding, Engine, normalize
+
+OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key: probes and scrapers
+
+
+@dataclass
+class Limits:
+    """The server's limits, by text-embeddings-inference's names; None: the model's longest input."""
+
+    max_batch_tokens: int = 16384
+    max_batch_requests: int | None = None
+    max_client_batch_size: int = 32
+    max_concurrent_requests: int = 512
+    max_input_length: int | None = None
+    api_key: str | None = None
+
+
+class RouteError(Exception):
+    """An answer other than 200: its status, message, TEI's error type and the field or limit it names."""
+
+    def __init__(self, status: int, message: str, error_type: str = "Validation", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_type, self.param = status, message, error_type, param
+
+
+class Embed(BaseModel):
+    inputs: str | list[str]
+    normalize: bool = True
+    truncate: bool = False
+
+
+class Predict(BaseModel):
+    inputs: str | list[str] | list[list[str]]
+    raw_scores: bool = False
+    truncate: bool = False
+
+
+class Rerank(BaseModel):
+    query: str
+    texts: list[str]
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool = False
+
+
+class Tokenize(BaseModel):
+    inputs: str | list[str]
+    add_special_tokens: bool = True
+
+
+class OpenAIEmbeddings(BaseModel):
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: str = "float"
+    user: str | None = None
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, batcher: Batcher):
+        self.registry = CollectorRegistry()
+        Gauge("bert_impl_queue_size", "Requests waiting for the model", registry=self.registry).set_function(
+            lambda: len(batcher.queue))
+        self.batch_size = Histogram("bert_impl_batch_size", "Inputs per batch", registry=self.registry,
+                                    buckets=[2**i for i in range(11)])
+        self.batch_tokens = Histogram("bert_impl_batch_tokens", "Real tokens per batch", registry=self.registry,
+                                      buckets=[2**i for i in range(4, 16)])
+        self.latency = Histogram("bert_impl_request_duration_seconds", "Time from a request's arrival to its answer",
+                                 ["route"], registry=self.registry)
+        self.requests = Counter("bert_impl_requests", "Requests answered", ["route", "status"], registry=self.registry)
+
+    def batch(self, inputs: int, tokens: int) -> None:
+        self.batch_size.observe(inputs)
+        self.batch_tokens.observe(tokens)
+
+
+def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
+    """The ASGI app serving `engine` within `limits`; its model worker starts and stops with the app's lifespan
+    (stopping finishes the requests queued)."""
+    max_input_length = min(limits.max_input_length or engine.max_input_length, engine.max_input_length)
+    batcher = Batcher(engine.run, limits.max_batch_tokens, limits.max_batch_requests, limits.max_concurrent_requests)
+    metrics = Metrics(batcher)
+    batcher.on_batch = metrics.batch
+
+    @asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        yield
+        await run_in_threadpool(batcher.stop)
+
+    app = FastAPI(title="bert-impl-serve", lifespan=lifespan)
+    app.state.batcher, app.state.engine = batcher, engine
+
+    def check_count(inputs: list, param: str = "inputs") -> None:
+        if not inputs:
+            raise RouteError(422, f"{param} cannot be empty", param=param)
+        if len(inputs) > limits.max_client_batch_size:
+            raise RouteError(413, f"batch size {len(inputs)} > maximum allowed batch size "
+                                  f"{limits.max_client_batch_size} (--max-client-batch-size)", param=param)
+
+    async def encode(texts: list, truncate: bool) -> list[Encoding]:
+        """Token ids of the texts, in the thread pool; 413 for too many, or for one too long without `truncate`."""
+        check_count(texts)
+        encodings = await run_in_threadpool(engine.encode, texts, max_input_length if truncate else None)
+        return [check_length(e, i) for i, e in enumerate(encodings)]
+
+    def check_length(encoding, index: int):
+        if len(encoding.ids) > max_input_length:
+            raise RouteError(413, f"input {index} has {len(encoding.ids)} tokens, more than the "
+                                  f"{max_input_length} allowed (--max-input-length); pass truncate: true to cut it",
+                             param="inputs")
+        return encoding
+
+    async def model_rows(encodings: list):
+        """The model's output rows for these inputs, through the queue: 429 when it is full."""
+        future = batcher.submit(encodings)
+        if future is None:
+            raise RouteError(429, f"the server is at its {limits.max_concurrent_requests} waiting requests "
+                                  "(--max-concurrent-requests); retry later", "Overloaded")
+        try:
+            return await asyncio.wrap_future(future)
+        except Exception as error:
+            raise RouteError(500, f"the model failed on this request's batch: {error}", "Backend") from error
+
+    def needs(kinds: tuple[str, ...], route: str) -> None:
+        if engine.kind not in kinds:
+            raise RouteError(400, f"{route} needs {article(kinds[0])} {' or '.join(kinds)} model; {engine.model_id} "
+                                  f"is {article(engine.kind)} {engine.kind} model")
+
+    @app.middleware("http")
+    async def measure_and_guard(request: Request, call_next):
+        start = time.perf_counter()
+        route = request.url.path
+        if limits.api_key and route not in OPEN_ROUTES and request.headers.get("authorization") != (
+                f"Bearer {limits.api_key}"):
+            response = error_response(route, RouteError(401, "missing or wrong API key: send the header "
+                                                             "'Authorization: Bearer <key>'", "Unauthorized"))
+        else:
+            response = await call_next(request)
+        metrics.latency.labels(route).observe(time.perf_counter() - start)
+        metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(RouteError)
+    async def route_error(request: Request, error: RouteError):
+        return error_response(request.url.path, error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        errors = error.errors()
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            message, field = f"body: not valid JSON ({first['ctx']['error']} at character {first['loc'][-1]})", "body"
+        else:  # every way the field failed (a union's branches), and what came
+            field = str(first["loc"][1]) if len(first["loc"]) > 1 else "body"
+            expected = dict.fromkeys(e["msg"] for e in errors if (e["loc"][1:2] or ("body",))[0] == field)
+            message = f"{field}: {'; or '.join(expected)} (got {type(first.get('input')).__name__})"
+        return error_response(request.url.path, RouteError(422, message, param=field))
+
+    @app.post("/embed")
+    async def embed(body: Embed):
+        needs(("embedding",), "/embed")
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        rows = await model_rows(await encode(texts, body.truncate))
+        return (normalize(rows) if body.normalize else rows).tolist()
+
+    @app.post("/predict")
+    async def predict(body: Predict):
+        needs(("classifier", "reranker"), "/predict")
+        inputs = body.inputs
+        single = isinstance(inputs, str) or (len(inputs) == 2 and all(isinstance(t, str) for t in inputs))
+        if single:  # a text, or two strings: one pair, as text-embeddings-inference reads them
+            texts = [inputs if isinstance(inputs, str) else tuple(inputs)]
+        else:
+            if any(not isinstance(t, str) and len(t) not in (1, 2) for t in inputs):
+                raise RouteError(422, "inputs: each input is a text, or a list of one or two texts (a pair)",
+                                 param="inputs")
+            texts = [t if isinstance(t, str) else t[0] if len(t) == 1 else tuple(t) for t in inputs]
+        rows = await model_rows(await encode(texts, body.truncate))
+        scores = engine.scores(rows.view(len(texts), -1), body.raw_scores)
+        labels = engine.config.id2label
+        answers = [sorted(({"score": s, "label": labels[i]} for i, s in enumerate(row.tolist())),
+                          key=lambda a: -a["score"]) for row in scores]
+        return answers[0] if single else answers
+
+    @app.post("/rerank")
+    async def rerank(body: Rerank):
+        needs(("reranker",), "/rerank")
+        rows = await model_rows(await encode([(body.query, text) for text in body.texts], body.truncate))
+        scores = rows if body.raw_scores else rows.sigmoid()
+        ranked = sorted(range(len(body.texts)), key=lambda i: -scores[i].item())
+        return [{"index": i, "score": scores[i].item(), **({"text": body.texts[i]} if body.return_text else {})}
+                for i in ranked]
+
+    @app.post("/tokenize")
+    async def tokenize(body: Tokenize):
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        out = await run_in_threadpool(engine.tokenizer, texts, add_special_tokens=body.add_special_tokens,
+                                      return_offsets_mapping=True, return_special_tokens_mask=True)
+        return [[{"id": token, "text": engine.tokenizer.convert_ids_to_tokens(token), "special": bool(special),
+                  "start": start if not special else None, "stop": stop if not special else None}
+                 for token, special, (start, stop) in zip(ids, specials, offsets)]
+                for ids, specials, offsets in zip(out["input_ids"], out["special_tokens_mask"],
+                                                  out["offset_mapping"])]
+
+    @app.post("/v1/embeddings")
+    async def openai_embeddings(body: OpenAIEmbeddings):
+        needs(("embedding",), "/v1/embeddings")
+        if body.encoding_format not in ("float", "base64"):
+            raise RouteError(422, f"encoding_format: {body.encoding_format!r} is not 'float' or 'base64'",
+                             param="encoding_format")
+        given = [body.input] if isinstance(body.input, str) or (body.input and isinstance(body.input[0], int)) \
+            else body.input
+        if given and isinstance(given[0], str):
+            encodings = await encode(given, truncate=False)
+        else:  # token ids, as OpenAI's clients send them for some models
+            check_count(given, "input")
+            encodings = [check_length(token_ids(ids), i) for i, ids in enumerate(given)]
+        rows = normalize(await model_rows(encodings))
+        data = [{"object": "embedding", "index": i,
+                 "embedding": row.tolist() if body.encoding_format == "float" else
+                 base64.b64encode(row.numpy().astype(np.float32).tobytes()).decode()} for i, row in enumerate(rows)]
+        tokens = sum(len(e.ids) for e in encodings)
+        return {"object": "list", "data": data, "model": body.model or engine.model_id,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    def token_ids(ids: list[int]) -> Encoding:
+        vocabulary = engine.config.vocab_size
+        if not ids or any(not 0 <= i < vocabulary for i in ids):
+            raise RouteError(422, f"input: token ids must be in [0, {vocabulary})", param="input")
+        return Encoding(list(ids), [0] * len(ids))
+
+    @app.post("/")
+    async def root(request: Request):
+        """TEI's route for clients that post to the server's address: /embed or /predict by the model's kind."""
+        try:
+            payload = await request.json()
+        except ValueError as error:
+            raise RouteError(422, f"body: not JSON ({error})", param="body") from error
+        if engine.kind == "embedding":
+            return await embed(validated(Embed, payload))
+        answers = await predict(validated(Predict, payload))
+        return [answers] if answers and isinstance(answers[0], dict) else answers  # one list per input, as clients read
+
+    @app.get("/info")
+    async def info():
+        return {**engine.info(), "max_input_length": max_input_length, "max_batch_tokens": limits.max_batch_tokens,
+                "max_batch_requests": limits.max_batch_requests,
+                "max_client_batch_size": limits.max_client_batch_size,
+                "max_concurrent_requests": limits.max_concurrent_requests}
+
+    @app.get("/health")
+    async def health():
+        """200 while the model worker runs (liveness and readiness: the model is loaded before the port opens)."""
+        if not batcher.worker.is_alive():
+            raise RouteError(503, "the model worker is not running", "Unhealthy")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def validated(model: type[BaseModel], payload):
+    """`payload` as `model`, or the same 422 a route's own body gets."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        raise RequestValidationError(error.errors()) from error
+
+
+def error_response(route: str, error: RouteError) -> JSONResponse:
+    """An error in the shape of the route's API, with Retry-After on 429."""
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    if route.startswith("/v1/"):
+        kind = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error"}.get(
+            error.status, "invalid_request_error")
+        body = {"error": {"message": error.message, "type": kind, "param": error.param, "code": None}}
+    else:
+        body = {"error": error.message, "error_type": error.error_type}
+    return JSONResponse(body, status_code=error.status, headers=headers)

@@ -1,0 +1,71 @@
+"""`bert-impl-serve MODEL`: serve a model over HTTP with text-embeddings-inference's and OpenAI's routes.
+
+MODEL is a folder or a Hub id: bert-impl's, or stock BERT's, RoBERTa's, XLM-RoBERTa's or CamemBERT's, a
+sentence-transformers folder of one (its pooling and normalization), a sequence classifier, or a cross-encoder (a
+classifier with one label: /rerank). The engine is optimize_for_inference's in float32, or in bfloat16 by default where
+the CPU has bfloat16 units (AMX, AVX512-BF16); --int8 quantizes, --compile compiles; on CUDA, the model itself.
+"""
+
+import argparse
+import logging
+import os
+import sys
+
+from .engine import DTYPES, POOLINGS, EngineChoice
+
+logger = logging.getLogger("bert_impl.serve")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bert-impl-serve", description=__doc__.split("\n\n")[1].replace("\n", " "))
+    parser.add_argument("model", help="a model folder or Hub id")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
+                                                             "0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="the products' dtype (default: bfloat16 where the CPU has bfloat16 units, else float32)")
+    parser.add_argument("--int8", action="store_true", help="quantize_for_inference, calibrated on --calibration")
+    parser.add_argument("--calibration", help="with --int8: a text file, one text a line, like those to be served")
+    parser.add_argument("--compile", action="store_true", help="compile_for_inference (float32 or int8)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
+    parser.add_argument("--pooling", choices=list(POOLINGS), default=None,
+                        help="an embedding model's pooling (default: its sentence-transformers config's, else cls)")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="real tokens in one batch at most")
+    parser.add_argument("--max-batch-requests", type=int, default=None, help="inputs in one batch at most")
+    parser.add_argument("--max-client-batch-size", type=int, default=32, help="inputs in one request at most")
+    parser.add_argument("--max-concurrent-requests", type=int, default=512,
+                        help="requests waiting at most; more are answered 429 with Retry-After")
+    parser.add_argument("--max-input-length", type=int, default=None,
+                        help="tokens in one input at most (default and ceiling: the model's)")
+    parser.add_argument("--api-key", default=os.environ.get("BERT_IMPL_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $BERT_IMPL_API_KEY; none: open)")
+    args = parser.parse_args(argv)
+    if args.int8 and not args.calibration:
+        parser.error("--int8 needs --calibration FILE: texts like those to be served, one a line")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        import uvicorn
+
+        from .app import Limits, create_app
+        from .engine import Engine
+    except ImportError as error:
+        sys.exit(f"bert-impl-serve needs {error.name}, of bert-impl's `serve` extra: pip install 'bert-impl[serve]'")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    choice = EngineChoice(args.dtype, args.calibration if args.int8 else None, args.compile, args.device)
+    engine = Engine(args.model, choice, args.pooling)
+    info = engine.info()
+    logger.info(f"{args.model}: {engine.kind} model, {info['engine']}, {info['model_dtype']}, {info['device']}, "
+                f"{info['threads']} threads")
+    limits = Limits(args.max_batch_tokens, args.max_batch_requests, args.max_client_batch_size,
+                    args.max_concurrent_requests, args.max_input_length, args.api_key)
+    # uvicorn's SIGTERM and SIGINT: stop taking connections, finish the requests in flight, then the lifespan's end
+    # (the model worker drains its queue)
+    uvicorn.run(create_app(engine, limits), host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

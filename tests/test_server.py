@@ -1,0 +1,440 @@
+"""bert-impl-serve over loopback: each route against the engine's direct answer (and sentence-transformers' for the
+MiniLM checkpoint), with the clients users have (OpenAI's, huggingface_hub's InferenceClient, plain HTTP); each limit
+and bad input with its status and message; the API key; concurrent clients each getting their own answer in shared
+batches; a failing batch; SIGTERM with requests in flight. Servers run in this process (uvicorn in a thread, on a free
+port of 127.0.0.1), but the SIGTERM test's, a `bert-impl-serve` subprocess."""
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+pytest.importorskip("fastapi")
+import uvicorn  # noqa: E402
+
+import modeling_bert_impl as bi  # noqa: E402
+from modeling_bert_impl.server.app import Limits, create_app  # noqa: E402
+from modeling_bert_impl.server.batching import Batcher  # noqa: E402
+from modeling_bert_impl.server.engine import Encoding, Engine, EngineChoice  # noqa: E402
+
+FLOAT32 = EngineChoice(dtype="float32", device="cpu")
+TEXTS = ["The cat sat on the mat.", "A quick brown fox jumps over the lazy dog near the river bank.", "Hello!",
+         "Servers batch requests that arrive together."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`create_app(engine, limits)` served by uvicorn in a thread of this process, on 127.0.0.1."""
+
+    def __init__(self, engine, limits: Limits = Limits()):
+        self.app = create_app(engine, limits)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def post(self, route: str, payload, headers: dict | None = None, raw: bytes | None = None):
+        """(status, parsed JSON body, headers) of a POST."""
+        data = raw if raw is not None else json.dumps(payload).encode()
+        request = urllib.request.Request(self.url + route, data=data, method="POST",
+                                         headers={"content-type": "application/json", **(headers or {})})
+        return read(request)
+
+    def get(self, route: str, headers: dict | None = None):
+        return read(urllib.request.Request(self.url + route, headers=headers or {}))
+
+
+def read(request):
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            body = response.read()
+            status, headers = response.status, response.headers
+    except urllib.error.HTTPError as error:
+        body, status, headers = error.read(), error.code, error.headers
+    try:
+        return status, json.loads(body) if body else None, headers
+    except ValueError:
+        return status, body.decode(), headers
+
+
+@pytest.fixture(scope="module")
+def embedder(minilm_dir):
+    return Engine(minilm_dir, FLOAT32)
+
+
+@pytest.fixture(scope="module")
+def served(embedder):
+    server = Server(embedder, Limits(max_client_batch_size=8, max_input_length=64))
+    yield server
+    server.stop()
+
+
+def small_head_folder(folder, minilm_dir, num_labels: int, problem_type=None):
+    """A random small sequence classifier (a cross-encoder with one label) with MiniLM's tokenizer, saved."""
+    torch.manual_seed(num_labels)
+    config = bi.BertImplConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=37, num_labels=num_labels, problem_type=problem_type,
+                               id2label={i: f"label_{i}" for i in range(num_labels)})
+    model = bi.BertImplForSequenceClassification(config)
+    model.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory, minilm_dir):
+    folder = tmp_path_factory.mktemp("classifier")
+    model = small_head_folder(folder, minilm_dir, num_labels=3)
+    server = Server(Engine(str(folder), FLOAT32))
+    yield server, model, transformers.AutoTokenizer.from_pretrained(folder)
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory, minilm_dir):
+    folder = tmp_path_factory.mktemp("reranker")
+    model = small_head_folder(folder, minilm_dir, num_labels=1)
+    server = Server(Engine(str(folder), FLOAT32))
+    yield server, model, transformers.AutoTokenizer.from_pretrained(folder)
+    server.stop()
+
+
+def sentence_transformers_embeddings(minilm_dir, texts):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(minilm_dir, device="cpu").encode(texts, normalize_embeddings=True)
+
+
+# --- routes against the engine's direct answer ---------------------------------------------------------------------
+def test_embed_gives_sentence_transformers_embeddings(served, embedder, minilm_dir):
+    status, got, _ = served.post("/embed", {"inputs": TEXTS})
+    assert status == 200
+    expected = sentence_transformers_embeddings(minilm_dir, TEXTS)
+    assert np.abs(np.array(got) - expected).max() < 1e-5
+    direct = embedder.run(embedder.encode(TEXTS))
+    assert np.abs(np.array(served.post("/embed", {"inputs": TEXTS, "normalize": False})[1]) - direct.numpy()).max() < 1e-5
+    status, one, _ = served.post("/embed", {"inputs": TEXTS[0]})
+    assert status == 200 and np.abs(np.array(one) - expected[:1]).max() < 1e-5
+    assert embedder.pooling == "mean" and embedder.normalized
+
+
+def test_openai_client_gets_the_same_embeddings_and_usage(served, minilm_dir):
+    import openai
+
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
+    expected = sentence_transformers_embeddings(minilm_dir, TEXTS)
+    response = client.embeddings.create(input=TEXTS, model="minilm")  # the client asks for base64 and decodes it
+    assert [d.index for d in response.data] == list(range(len(TEXTS)))
+    assert np.abs(np.array([d.embedding for d in response.data]) - expected).max() < 1e-5
+    tokens = sum(len(ids) for ids in transformers.AutoTokenizer.from_pretrained(minilm_dir)(TEXTS)["input_ids"])
+    assert response.usage.prompt_tokens == response.usage.total_tokens == tokens and response.model == "minilm"
+    status, body, _ = served.post("/v1/embeddings", {"input": TEXTS[0], "encoding_format": "float"})
+    assert status == 200 and np.abs(np.array(body["data"][0]["embedding"]) - expected[0]).max() < 1e-5
+    status, body, _ = served.post("/v1/embeddings", {"input": TEXTS[:2], "encoding_format": "base64"})
+    decoded = np.frombuffer(base64.b64decode(body["data"][1]["embedding"]), dtype=np.float32)
+    assert np.abs(decoded - expected[1]).max() < 1e-5
+    ids = transformers.AutoTokenizer.from_pretrained(minilm_dir)(TEXTS[2])["input_ids"]
+    status, body, _ = served.post("/v1/embeddings", {"input": ids})  # token ids
+    assert status == 200 and np.abs(np.array(body["data"][0]["embedding"]) - expected[2]).max() < 1e-5
+
+
+def test_inference_client_feature_extraction_and_text_classification(served, classifier, minilm_dir, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    # the suite runs with HF_HUB_OFFLINE=1, which refuses every request of huggingface_hub's, this loopback one too
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    got = InferenceClient(base_url=served.url).feature_extraction(TEXTS[1])
+    assert np.abs(got.reshape(-1) - sentence_transformers_embeddings(minilm_dir, [TEXTS[1]])[0]).max() < 1e-5
+    server, model, tokenizer = classifier
+    answers = InferenceClient(base_url=server.url).text_classification(TEXTS[0])
+    with torch.no_grad():
+        probabilities = model(**tokenizer(TEXTS[0], return_tensors="pt")).logits.softmax(-1)[0]
+    assert {a.label: a.score for a in answers} == pytest.approx(
+        {f"label_{i}": p for i, p in enumerate(probabilities.tolist())}, abs=1e-5)
+
+
+def test_predict_gives_the_heads_probabilities_sorted(classifier):
+    server, model, tokenizer = classifier
+    with torch.no_grad():
+        logits = model(**tokenizer(TEXTS, padding=True, return_tensors="pt")).logits
+    status, answers, _ = server.post("/predict", {"inputs": TEXTS})
+    assert status == 200 and len(answers) == len(TEXTS)
+    for answer, row in zip(answers, logits.softmax(-1)):
+        assert [a["score"] for a in answer] == sorted((a["score"] for a in answer), reverse=True)
+        assert {a["label"]: a["score"] for a in answer} == pytest.approx(
+            {f"label_{i}": p for i, p in enumerate(row.tolist())}, abs=1e-5)
+    status, raw, _ = server.post("/predict", {"inputs": TEXTS[0], "raw_scores": True})  # one text: one answer
+    assert {a["label"]: a["score"] for a in raw} == pytest.approx(
+        {f"label_{i}": p for i, p in enumerate(logits[0].tolist())}, abs=1e-5)
+    status, pair, _ = server.post("/predict", {"inputs": [TEXTS[0], TEXTS[1]], "raw_scores": True})  # two: a pair
+    with torch.no_grad():
+        pair_logits = model(**tokenizer(TEXTS[0], TEXTS[1], return_tensors="pt")).logits[0]
+    assert {a["label"]: a["score"] for a in pair} == pytest.approx(
+        {f"label_{i}": p for i, p in enumerate(pair_logits.tolist())}, abs=1e-5)
+
+
+def test_rerank_scores_each_pair_with_the_cross_encoder(reranker):
+    server, model, tokenizer = reranker
+    query = "Where did the cat sit?"
+    with torch.no_grad():
+        logits = model(**tokenizer([query] * len(TEXTS), TEXTS, padding=True, return_tensors="pt")).logits[:, 0]
+    status, ranked, _ = server.post("/rerank", {"query": query, "texts": TEXTS, "return_text": True})
+    assert status == 200 and [r["index"] for r in ranked] == logits.argsort(descending=True).tolist()
+    for r in ranked:
+        assert r["score"] == pytest.approx(logits[r["index"]].sigmoid().item(), abs=1e-5)
+        assert r["text"] == TEXTS[r["index"]]
+    status, raw, _ = server.post("/rerank", {"query": query, "texts": TEXTS, "raw_scores": True})
+    assert [r["score"] for r in raw] == pytest.approx(logits.sort(descending=True).values.tolist(), abs=1e-5)
+    assert "text" not in raw[0]
+
+
+def test_tokenize_and_info(served, minilm_dir):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
+    status, tokens, _ = served.post("/tokenize", {"inputs": TEXTS[0]})
+    assert status == 200 and [t["id"] for t in tokens[0]] == tokenizer(TEXTS[0])["input_ids"]
+    offsets = tokenizer(TEXTS[0], return_offsets_mapping=True)["offset_mapping"][1:-1]
+    assert [(t["start"], t["stop"]) for t in tokens[0] if not t["special"]] == [tuple(o) for o in offsets]
+    assert [t["text"] for t in tokens[0]] == tokenizer.convert_ids_to_tokens(tokenizer(TEXTS[0])["input_ids"])
+    assert [t["special"] for t in tokens[0]] == [True] + [False] * len(offsets) + [True]
+    status, info, _ = served.get("/info")
+    assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["model_dtype"] == "float32"
+    assert info["max_input_length"] == 64 and info["max_client_batch_size"] == 8
+    assert served.get("/health")[0] == 200
+
+
+def test_a_route_for_another_kind_of_model_says_so(served, classifier):
+    status, body, _ = served.post("/predict", {"inputs": "x"})
+    assert status == 400 and "/predict needs a classifier or reranker model" in body["error"]
+    status, body, _ = classifier[0].post("/embed", {"inputs": "x"})
+    assert status == 400 and body["error"].startswith("/embed needs an embedding model;")
+    assert body["error"].endswith("is a classifier model")
+
+
+# --- limits and bad input -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("route,payload,status,message", [
+    ("/embed", {"inputs": ["a"] * 9}, 413, "batch size 9 > maximum allowed batch size 8 (--max-client-batch-size)"),
+    ("/embed", {"inputs": "word " * 80}, 413, "input 0 has 82 tokens, more than the 64 allowed (--max-input-length); "
+                                              "pass truncate: true to cut it"),
+    ("/embed", {"inputs": []}, 422, "inputs cannot be empty"),
+    ("/embed", {"inputs": 5}, 422, "inputs: Input should be a valid string; or Input should be a valid list (got int)"),
+    ("/embed", {"texts": ["a"]}, 422, "inputs: Field required (got dict)"),
+    ("/embed", {"inputs": "a", "normalize": "maybe"}, 422, "normalize: Input should be a valid boolean"),
+    ("/v1/embeddings", {"input": "a", "encoding_format": "int8"}, 422, "encoding_format: 'int8' is not 'float' or "
+                                                                       "'base64'"),
+    ("/v1/embeddings", {"input": [[1, 2], [99999999]]}, 422, "input: token ids must be in [0, 30522)"),
+])
+def test_limits_and_bad_input_are_answered_with_what_is_wrong(served, route, payload, status, message):
+    got, body, _ = served.post(route, payload)
+    assert got == status
+    said = body["error"]["message"] if route.startswith("/v1/") else body["error"]
+    assert said.startswith(message), said
+    if route.startswith("/v1/"):
+        assert body["error"]["type"] == "invalid_request_error"
+    else:
+        assert body["error_type"] == "Validation"
+
+
+def test_truncate_cuts_an_input_to_the_limit_and_malformed_json_is_named(served, embedder):
+    status, got, _ = served.post("/embed", {"inputs": "word " * 80, "truncate": True})
+    cut = embedder.tokenizer("word " * 80, truncation=True, max_length=64)["input_ids"]
+    assert status == 200 and len(cut) == 64
+    direct = torch.nn.functional.normalize(embedder.run([Encoding(cut, [0] * 64)]), dim=-1)
+    assert np.abs(np.array(got) - direct.numpy()).max() < 1e-5
+    status, body, _ = served.post("/embed", None, raw=b'{"inputs": ')
+    assert status == 422 and body["error"].startswith("body: not valid JSON")
+
+
+def test_the_api_key_is_required_where_set(embedder):
+    server = Server(embedder, Limits(api_key="s3cret"))
+    try:
+        status, body, _ = server.post("/embed", {"inputs": "a"})
+        assert status == 401 and "Authorization: Bearer" in body["error"]
+        assert server.post("/embed", {"inputs": "a"}, {"authorization": "Bearer wrong"})[0] == 401
+        assert server.post("/embed", {"inputs": "a"}, {"authorization": "Bearer s3cret"})[0] == 200
+        status, body, _ = server.post("/v1/embeddings", {"input": "a"})
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+        assert server.get("/health")[0] == 200 and server.get("/metrics")[0] == 200  # probes and scrapers
+    finally:
+        server.stop()
+
+
+class GatedEngine:
+    """The embedder, its batches held until `gate` is set and recorded; a batch holding the text "fail" raises."""
+
+    def __init__(self, engine):
+        self.engine, self.gate, self.batches, self.held = engine, threading.Event(), [], 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def run(self, encodings):
+        self.held = len(encodings)  # taken by the worker
+        self.gate.wait(timeout=60)
+        self.batches.append(len(encodings))
+        if any(e.ids == self.engine.tokenizer("fail")["input_ids"] for e in encodings):
+            raise RuntimeError("a fault inside the model")
+        return self.engine.run(encodings)
+
+
+def test_a_full_queue_answers_429_with_retry_after(embedder):
+    gated = GatedEngine(embedder)
+    server = Server(gated, Limits(max_concurrent_requests=1))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(server.post, "/embed", {"inputs": "one"})  # taken by the worker, held at the gate
+            while not gated.held:
+                time.sleep(0.01)
+            second = pool.submit(server.post, "/embed", {"inputs": "two"})  # waits in the queue
+            while not server.app.state.batcher.queue:
+                time.sleep(0.01)
+            status, body, headers = server.post("/embed", {"inputs": "three"})
+            assert status == 429 and headers["Retry-After"] == "1" and body["error_type"] == "Overloaded"
+            assert "--max-concurrent-requests" in body["error"]
+            gated.gate.set()
+            assert first.result()[0] == second.result()[0] == 200
+    finally:
+        gated.gate.set()
+        server.stop()
+
+
+def test_concurrent_clients_each_get_their_own_answer_from_shared_batches(embedder, minilm_dir):
+    """32 clients at once, each its own input: each answer is its own input's embedding, and the model ran them in
+    fewer batches than requests (the requests that came while one batch ran form the next)."""
+    gated = GatedEngine(embedder)
+    server = Server(gated, Limits(max_batch_requests=16))
+    texts = [f"Client number {i} asks about {'the weather' if i % 2 else 'a long and winding road'} {i}."
+             for i in range(32)]
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            futures = [pool.submit(server.post, "/embed", {"inputs": text}) for text in texts]
+            while gated.held + len(server.app.state.batcher.queue) < 32:  # a batch at the gate, the others queued
+                time.sleep(0.01)
+            gated.gate.set()
+            answers = [f.result() for f in futures]
+    finally:
+        gated.gate.set()
+        server.stop()
+    expected = sentence_transformers_embeddings(minilm_dir, texts)
+    for (status, got, _), want in zip(answers, expected):
+        assert status == 200 and np.abs(np.array(got[0]) - want).max() < 1e-5
+    batches = gated.batches
+    assert sum(batches) == 32 and max(batches) <= 16 and len(batches) <= 4, batches  # max_batch_requests=16
+
+
+def test_a_failing_batch_fails_its_own_requests_and_the_server_goes_on(embedder):
+    gated = GatedEngine(embedder)
+    gated.gate.set()
+    server = Server(gated)
+    try:
+        status, body, _ = server.post("/embed", {"inputs": ["fine", "fail"]})
+        assert status == 500 and body["error_type"] == "Backend" and "a fault inside the model" in body["error"]
+        assert server.post("/embed", {"inputs": "fine"})[0] == 200
+        metrics = server.get("/metrics")[1]
+        assert 'bert_impl_requests_total{route="/embed",status="500"} 1.0' in metrics
+        assert 'bert_impl_requests_total{route="/embed",status="200"} 1.0' in metrics
+    finally:
+        server.stop()
+
+
+def test_batcher_keeps_to_its_token_and_input_limits():
+    done = []
+    batcher = Batcher(lambda encodings: (done.append([len(e.ids) for e in encodings]),
+                                         torch.arange(len(encodings)))[1], max_batch_tokens=10,
+                      max_batch_requests=3, max_concurrent_requests=100)
+    jobs = [batcher.submit([Encoding([1] * n, [0] * n)]) for n in (4, 4, 4, 12, 1, 1, 1, 1)]
+    batcher.start()
+    batcher.stop()  # finishes what is queued
+    assert done == [[4, 4], [4], [12], [1, 1, 1], [1]]  # 10 tokens, 3 inputs; a larger one alone
+    assert [j.result().tolist() for j in jobs] == [[0], [1], [0], [0], [0], [1], [2], [0]]
+
+
+def test_metrics_count_batches_and_requests(served):
+    served.post("/embed", {"inputs": TEXTS})
+    metrics = served.get("/metrics")[1]
+    for name in ("bert_impl_queue_size", "bert_impl_batch_size_bucket", "bert_impl_batch_tokens_bucket",
+                 'bert_impl_request_duration_seconds_bucket{le="0.005",route="/embed"}', "bert_impl_requests_total"):
+        assert name in metrics
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_requests_in_flight(minilm_dir):
+    """The console script in a process of its own: SIGTERM while requests wait for the model answers every one of
+    them (200, their own embeddings), then the process shuts down cleanly."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "modeling_bert_impl.server.cli", minilm_dir, "--port",
+                                str(port), "--dtype", "float32", "--max-batch-requests", "8"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while read(urllib.request.Request(url + "/health"))[0] != 200 if _listening(port) else True:
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        texts = [f"request {i}: " + "a long sentence about serving models " * 12 for i in range(8)]
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(read, urllib.request.Request(
+                url + "/embed", data=json.dumps({"inputs": [text] * 8}).encode(), method="POST",
+                headers={"content-type": "application/json"})) for text in texts]
+            while "bert_impl_queue_size 0.0" in read(urllib.request.Request(url + "/metrics"))[1]:
+                assert not all(f.done() for f in futures), "every request was answered before one waited"
+                time.sleep(0.005)
+            process.send_signal(signal.SIGTERM)
+            answers = [f.result() for f in futures]
+        # uvicorn raises the signal again once it has shut down, so the exit is SIGTERM's, after a clean shutdown
+        assert process.wait(timeout=120) in (0, -signal.SIGTERM)
+        log = process.stdout.read()
+        assert "Waiting for application shutdown." in log and "Application shutdown complete." in log, log
+    finally:
+        process.kill()
+    expected = sentence_transformers_embeddings(minilm_dir, texts)
+    for (status, got, _), want in zip(answers, expected):
+        assert status == 200 and len(got) == 8 and np.abs(np.array(got[0]) - want).max() < 1e-5
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_the_console_script_is_declared_and_parses(capsys):
+    import tomllib
+    from pathlib import Path
+
+    from modeling_bert_impl.server import cli
+
+    scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["bert-impl-serve"] == "modeling_bert_impl.server.cli:main"
+    args = cli.parse_args(["some-model"])
+    assert (args.host, args.port, args.max_batch_tokens, args.max_client_batch_size, args.max_concurrent_requests) == (
+        "127.0.0.1", 8080, 16384, 32, 512)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["some-model", "--int8"])
+    assert "--int8 needs --calibration FILE" in capsys.readouterr().err
+    os.environ.pop("BERT_IMPL_API_KEY", None)
