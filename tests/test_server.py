@@ -94,34 +94,30 @@ def served(embedder):
     server.stop()
 
 
-def small_head_folder(folder, minilm_dir, num_labels: int, problem_type=None):
-    """A random small sequence classifier (a cross-encoder with one label) with MiniLM's tokenizer, saved."""
+def served_head(tmp_path_factory, minilm_dir, num_labels: int):
+    """A server of a random small sequence classifier (a cross-encoder with one label) with MiniLM's tokenizer, saved
+    to a folder; the server, the model and the tokenizer, for a module's tests."""
     torch.manual_seed(num_labels)
     config = bi.BertImplConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               intermediate_size=37, num_labels=num_labels, problem_type=problem_type,
+                               intermediate_size=37, num_labels=num_labels,
                                id2label={i: f"label_{i}" for i in range(num_labels)})
-    model = bi.BertImplForSequenceClassification(config)
+    model = bi.BertImplForSequenceClassification(config).eval()
+    folder = tmp_path_factory.mktemp(f"head{num_labels}")
     model.save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(folder)
-    return model.eval()
+    server = Server(Engine(str(folder), FLOAT32))
+    yield server, model, transformers.AutoTokenizer.from_pretrained(folder)
+    server.stop()
 
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory, minilm_dir):
-    folder = tmp_path_factory.mktemp("classifier")
-    model = small_head_folder(folder, minilm_dir, num_labels=3)
-    server = Server(Engine(str(folder), FLOAT32))
-    yield server, model, transformers.AutoTokenizer.from_pretrained(folder)
-    server.stop()
+    yield from served_head(tmp_path_factory, minilm_dir, num_labels=3)
 
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory, minilm_dir):
-    folder = tmp_path_factory.mktemp("reranker")
-    model = small_head_folder(folder, minilm_dir, num_labels=1)
-    server = Server(Engine(str(folder), FLOAT32))
-    yield server, model, transformers.AutoTokenizer.from_pretrained(folder)
-    server.stop()
+    yield from served_head(tmp_path_factory, minilm_dir, num_labels=1)
 
 
 def sentence_transformers_embeddings(minilm_dir, texts):
@@ -226,6 +222,7 @@ def test_tokenize_and_info(served, minilm_dir):
     status, info, _ = served.get("/info")
     assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["model_dtype"] == "float32"
     assert info["max_input_length"] == 64 and info["max_client_batch_size"] == 8
+    assert info["max_batch_tokens"] == 4096  # the CPU's default
     assert served.get("/health")[0] == 200
 
 
@@ -433,7 +430,7 @@ def test_the_console_script_is_declared_and_parses(capsys):
     assert scripts["bert-impl-serve"] == "modeling_bert_impl.server.cli:main"
     args = cli.parse_args(["some-model"])
     assert (args.host, args.port, args.max_batch_tokens, args.max_client_batch_size, args.max_concurrent_requests) == (
-        "127.0.0.1", 8080, 16384, 32, 512)
+        "127.0.0.1", 8080, None, 32, 512)
     with pytest.raises(SystemExit):
         cli.parse_args(["some-model", "--int8"])
     assert "--int8 needs --calibration FILE" in capsys.readouterr().err

@@ -28,11 +28,18 @@ from .engine import Encoding, Engine, normalize
 OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key: probes and scrapers
 
 
+# Real tokens in one batch where none are chosen: text-embeddings-inference's 16384 on a GPU; on a CPU, where the
+# engines run fastest on batches of 32 to 64 sentences and a batch of 16384 tokens holds the next requests back for
+# seconds, 4096.
+BATCH_TOKENS = {"cuda": 16384, "cpu": 4096}
+
+
 @dataclass
 class Limits:
-    """The server's limits, by text-embeddings-inference's names; None: the model's longest input."""
+    """The server's limits, by text-embeddings-inference's names; None: the device's `BATCH_TOKENS`, the model's
+    longest input."""
 
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int | None = None
     max_batch_requests: int | None = None
     max_client_batch_size: int = 32
     max_concurrent_requests: int = 512
@@ -104,7 +111,8 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
     """The ASGI app serving `engine` within `limits`; its model worker starts and stops with the app's lifespan
     (stopping finishes the requests queued)."""
     max_input_length = min(limits.max_input_length or engine.max_input_length, engine.max_input_length)
-    batcher = Batcher(engine.run, limits.max_batch_tokens, limits.max_batch_requests, limits.max_concurrent_requests)
+    max_batch_tokens = limits.max_batch_tokens or BATCH_TOKENS.get(engine.device.type, BATCH_TOKENS["cuda"])
+    batcher = Batcher(engine.run, max_batch_tokens, limits.max_batch_requests, limits.max_concurrent_requests)
     metrics = Metrics(batcher)
     batcher.on_batch = metrics.batch
 
@@ -188,10 +196,15 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         needs(("embedding",), "/embed")
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         rows = await model_rows(await encode(texts, body.truncate))
-        return (normalize(rows) if body.normalize else rows).tolist()
+        return JSONResponse((normalize(rows) if body.normalize else rows).tolist())
 
     @app.post("/predict")
     async def predict(body: Predict):
+        answers, single = await predictions(body)
+        return JSONResponse(answers[0] if single else answers)
+
+    async def predictions(body: Predict) -> tuple[list, bool]:
+        """Each input's labels and scores, best first; and whether the request held one input."""
         needs(("classifier", "reranker"), "/predict")
         inputs = body.inputs
         single = isinstance(inputs, str) or (len(inputs) == 2 and all(isinstance(t, str) for t in inputs))
@@ -207,7 +220,7 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         labels = engine.config.id2label
         answers = [sorted(({"score": s, "label": labels[i]} for i, s in enumerate(row.tolist())),
                           key=lambda a: -a["score"]) for row in scores]
-        return answers[0] if single else answers
+        return answers, single
 
     @app.post("/rerank")
     async def rerank(body: Rerank):
@@ -215,8 +228,8 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         rows = await model_rows(await encode([(body.query, text) for text in body.texts], body.truncate))
         scores = rows if body.raw_scores else rows.sigmoid()
         ranked = sorted(range(len(body.texts)), key=lambda i: -scores[i].item())
-        return [{"index": i, "score": scores[i].item(), **({"text": body.texts[i]} if body.return_text else {})}
-                for i in ranked]
+        return JSONResponse([{"index": i, "score": scores[i].item(), **({"text": body.texts[i]} if body.return_text
+                                                                         else {})} for i in ranked])
 
     @app.post("/tokenize")
     async def tokenize(body: Tokenize):
@@ -247,8 +260,8 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
                  "embedding": row.tolist() if body.encoding_format == "float" else
                  base64.b64encode(row.numpy().astype(np.float32).tobytes()).decode()} for i, row in enumerate(rows)]
         tokens = sum(len(e.ids) for e in encodings)
-        return {"object": "list", "data": data, "model": body.model or engine.model_id,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return JSONResponse({"object": "list", "data": data, "model": body.model or engine.model_id,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     def token_ids(ids: list[int]) -> Encoding:
         vocabulary = engine.config.vocab_size
@@ -265,12 +278,12 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
             raise RouteError(422, f"body: not JSON ({error})", param="body") from error
         if engine.kind == "embedding":
             return await embed(validated(Embed, payload))
-        answers = await predict(validated(Predict, payload))
-        return [answers] if answers and isinstance(answers[0], dict) else answers  # one list per input, as clients read
+        answers, _ = await predictions(validated(Predict, payload))
+        return JSONResponse(answers)  # a list per input, as huggingface_hub's InferenceClient reads it
 
     @app.get("/info")
     async def info():
-        return {**engine.info(), "max_input_length": max_input_length, "max_batch_tokens": limits.max_batch_tokens,
+        return {**engine.info(), "max_input_length": max_input_length, "max_batch_tokens": max_batch_tokens,
                 "max_batch_requests": limits.max_batch_requests,
                 "max_client_batch_size": limits.max_client_batch_size,
                 "max_concurrent_requests": limits.max_concurrent_requests}

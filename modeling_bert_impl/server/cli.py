@@ -30,7 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     parser.add_argument("--pooling", choices=list(POOLINGS), default=None,
                         help="an embedding model's pooling (default: its sentence-transformers config's, else cls)")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="real tokens in one batch at most")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="real tokens in one batch at most (default: 4096 on a CPU, 16384 on a GPU)")
     parser.add_argument("--max-batch-requests", type=int, default=None, help="inputs in one batch at most")
     parser.add_argument("--max-client-batch-size", type=int, default=32, help="inputs in one request at most")
     parser.add_argument("--max-concurrent-requests", type=int, default=512,

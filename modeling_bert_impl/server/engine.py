@@ -54,7 +54,7 @@ class Engine:
             model = head_class("text-classification", config.model_type).from_pretrained(model_id)
         else:
             self.kind = "embedding"
-            model = head_class("feature-extraction", config.model_type).from_pretrained(model_id, add_pooling_layer=False)
+            model = head_class("feature-extraction", config.model_type).from_pretrained(model_id)
         self.config = model.config
         self.pooling, self.normalized = sentence_transformers_pooling(model_id)
         if pooling is not None:
