@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
-from typing_extensions import Unpack
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
@@ -40,6 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import ModelOutput, TransformersKwargs, logging
 from transformers.utils.generic import can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
+from typing_extensions import Unpack
 
 from .configuration_bert_impl import BertImplConfig, check_supported
 from .dropout import BertImplDropout
@@ -239,9 +239,11 @@ class BertImplEncoder(nn.Module):
         x = layout.enter(hidden_states)  # (B, T, H) or (P, H)
         all_hidden = []
         for i, layer in enumerate(self.layer):
-            all_hidden.append(layout.leave(x) if i in kept else None)  # (B, T, H)
             if i in kept:
+                all_hidden.append(layout.leave(x))  # (B, T, H)
                 x = layout.enter(all_hidden[-1])
+            else:
+                all_hidden.append(None)
             x = layer(x, attention_mask, layout=layout, **kwargs)
         last = layout.leave(x)  # (B, T, H)
         hidden_states = (*all_hidden, last if len(self.layer) in kept else None) if output_hidden_states else None

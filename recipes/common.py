@@ -97,17 +97,19 @@ def parse_args(data_class: type, argv: list[str] | None = None):
     return parsed
 
 
-def precision(training_args: TrainingArguments) -> str:
+def precision(training_args: TrainingArguments) -> tuple[str, bool]:
     """The run's precision in words, for its first log lines: bfloat16 autocast or float32, and on the CPU whether it
-    has bfloat16 units (AMX, AVX512-BF16), without which bfloat16 products run slower than float32 ones."""
+    has bfloat16 units (AMX, AVX512-BF16), without which bfloat16 products run slower than float32 ones; and whether
+    that is so (bfloat16 autocast on a CPU without them)."""
     if training_args.device.type != "cpu":
-        return "bfloat16 autocast" if training_args.bf16 else "fp16 autocast" if training_args.fp16 else "float32"
+        return "bfloat16 autocast" if training_args.bf16 else "fp16 autocast" if training_args.fp16 else "float32", False
     units = cpu_bf16_units()
+    if training_args.bf16 and not units:
+        return ("bfloat16 autocast on a CPU without AMX or AVX512-BF16: its bfloat16 products run slower than float32 "
+                "ones (--bf16 false for float32)", True)
     if training_args.bf16:
-        return (f"bfloat16 autocast on the CPU's {units} (--bf16 false for float32)" if units else
-                "bfloat16 autocast on a CPU without AMX or "
-                "AVX512-BF16: its bfloat16 products run slower than float32 ones (--bf16 false for float32)")
-    return f"float32 (--bf16 for bfloat16 autocast on the CPU's {units})" if units else "float32"
+        return f"bfloat16 autocast on the CPU's {units} (--bf16 false for float32)", False
+    return f"float32 (--bf16 for bfloat16 autocast on the CPU's {units})" if units else "float32", False
 
 
 def setup_logging(training_args: TrainingArguments) -> None:
@@ -127,8 +129,8 @@ def setup_logging(training_args: TrainingArguments) -> None:
             if not any(isinstance(f, RedactingFilter) for f in handler.filters):
                 handler.addFilter(RedactingFilter())
     logger.info(f"Training/evaluation parameters {training_args}")
-    said = precision(training_args)  # information, but a warning where bfloat16 runs slower than float32 would
-    (logger.warning if "slower" in said else logger.info)(f"precision: {said}")
+    said, slower = precision(training_args)  # information, but a warning where bfloat16 runs slower than float32
+    (logger.warning if slower else logger.info)(f"precision: {said}")
 
 
 def load_tokenizer(model_args: ModelArguments):

@@ -6,7 +6,6 @@ port of 127.0.0.1), but the SIGTERM test's, a `bert-impl-serve` subprocess."""
 
 import base64
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -51,7 +50,9 @@ class Server:
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
+        deadline = time.monotonic() + 60
         while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.01)
 
     def stop(self):
@@ -391,7 +392,7 @@ def test_sigterm_finishes_the_requests_in_flight(minilm_dir):
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
-        while read(urllib.request.Request(url + "/health"))[0] != 200 if _listening(port) else True:
+        while not (_listening(port) and read(urllib.request.Request(url + "/health"))[0] == 200):
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.2)
         texts = [f"request {i}: " + "a long sentence about serving models " * 12 for i in range(8)]
@@ -434,4 +435,3 @@ def test_the_console_script_is_declared_and_parses(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["some-model", "--int8"])
     assert "--int8 needs --calibration FILE" in capsys.readouterr().err
-    os.environ.pop("BERT_IMPL_API_KEY", None)
