@@ -19,8 +19,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
 
 from .dropout import dropout as apply_dropout
+
+logger = logging.get_logger(__name__)
 
 try:  # optional: flash-attention's variable-length kernel, used on CUDA for fp16/bf16
     from flash_attn import flash_attn_varlen_func
@@ -174,11 +177,55 @@ def repadded_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: flo
     return unpad(y.transpose(1, 2), batch.indices)  # (nnz, N, D)
 
 
+def torch_flash_attention(q, k, v, batch: VarlenBatch, scaling: float, dropout: float) -> torch.Tensor:
+    """torch's own flash kernel (`aten::_flash_attention_forward`, which SDPA's flash backend runs): flash-attention's
+    variable-length algorithm without the package, no padding anywhere. It has a backward, traces under torch.compile,
+    and draws its dropout from torch's CUDA generator (a step replays under torch.manual_seed)."""
+    cu, t = batch.cu_seqlens, batch.max_seqlen
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, t, t, dropout, False, False, scale=scaling)[0]
+
+
+TORCH_FLASH: dict[tuple, bool] = {}  # (device, dtype, head dim) -> whether torch's flash kernel takes it
+
+
+@torch.compiler.assume_constant_result  # traced: decided at trace time, a constant in the graph
+def torch_flash_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's flash kernel takes (P, N, head_dim) rows of `dtype` on `device`: CUDA, fp16/bf16, and what SDPA's
+    own check accepts (the GPU's generation, the head dim). Decided once per key, said once in the log."""
+    key = (device, dtype, head_dim)
+    if key not in TORCH_FLASH:
+        TORCH_FLASH[key] = takes = torch_flash_refusal(device, dtype, head_dim) is None
+        if device.type == "cuda":
+            logger.info(f"padding-free attention on {device} in {dtype}: " + (
+                "torch's flash kernel" if takes else
+                f"SDPA on the sequences re-padded ({torch_flash_refusal(device, dtype, head_dim)})"))
+    return TORCH_FLASH[key]
+
+
+def torch_flash_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why torch's flash kernel cannot take such rows, or None where it can."""
+    if device.type != "cuda":
+        return f"torch's flash kernel runs on CUDA only, not {device.type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"torch's flash kernel takes float16 and bfloat16, not {dtype}"
+    probe = torch.empty(1, 1, 8, head_dim, dtype=dtype, device=device)  # (B, N, T, D), as SDPA checks it
+    if not torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(probe, probe, probe, None, 0.0,
+                                                                                      False, False)):
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        return f"torch's flash kernel refuses head dim {head_dim} in {dtype} on this GPU (compute capability " \
+               f"{capability})"
+    return None
+
+
 def varlen_kernel(q: torch.Tensor):
-    """The fastest exact varlen kernel for q's device and dtype (capabilities detected, never configured)."""
+    """The fastest exact varlen kernel for q's device, dtype and head dim (capabilities detected, never configured):
+    flash-attention's where the package is installed (eager), else torch's own flash kernel where it takes q, else
+    SDPA on the sequences re-padded."""
     if (q.is_cuda and flash_attn_varlen_func is not None and q.dtype in (torch.float16, torch.bfloat16)
             and not torch.compiler.is_compiling()):
         return flash_varlen_attention
+    if torch_flash_takes(q.device, q.dtype, q.shape[-1]):
+        return torch_flash_attention
     return repadded_attention
 
 

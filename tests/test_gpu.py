@@ -4,8 +4,9 @@ The device comes from the environment variable BERT_IMPL_TEST_DEVICE: `cpu` or `
 available, otherwise `cpu`. The README's test command and CI run it on the CPU, so the logic is proven every day; on a
 GPU the same file runs unchanged (`python benchmarks/gpu_check.py` runs it there). What the model picks by capability
 differs per device, and this module runs whatever it picks: on CUDA the unpadded path attends with flash-attention's
-varlen kernel (fp16/bf16, when `flash_attn` is installed) or SDPA on the re-padded sequences; on CPU with the bucketed
-layout.
+varlen kernel (fp16/bf16, when `flash_attn` is installed), else torch's own flash kernel (fp16/bf16 on the GPUs it
+takes), else SDPA on the re-padded sequences; on CPU with the bucketed layout (tests/test_torch_flash.py runs torch's
+flash path on the CPU through a stand-in for the op).
 
 The reference is transformers' own `BertModel` in float64 on the CPU, on the MiniLM checkpoint (6 layers, H=384), on
 one right-padded batch of mixed lengths; a packed batch holds the same sequences, so the same reference serves every

@@ -120,14 +120,6 @@ def test_bucketed_layout_exact(group_cost):
     assert (g_got - g_expected).abs().max() < TOL
 
 
-def test_kernel_choice_on_this_machine():
-    q = torch.randn(4, 2, 8)
-    assert bp.varlen_kernel(q) is bp.repadded_attention  # exact layout on CPU: training under torch.compile
-    if torch.cuda.is_available():  # on CUDA flash-attention's kernel where it is installed, else the same SDPA
-        flash = bp.flash_attn_varlen_func is not None
-        assert bp.varlen_kernel(q.cuda().bfloat16()) is (bp.flash_varlen_attention if flash else bp.repadded_attention)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The model: unpadded vs padded vs eager vs transformers
 # ---------------------------------------------------------------------------------------------------------------------
