@@ -296,6 +296,39 @@ def test_sparse_prediction_same_loss_and_gradients(head):
         assert head(BertImplConfig(**TINY))(**batch).to_tuple()[0].shape == (4, 14, 99)
 
 
+# At most this many graphs for a model compiled once: the first batch's shape (static), then one graph with the batch
+# and length dynamic, and one for each of torch's 0/1 specializations of them (a batch of 1, a length of 1, both).
+# The padding-free layout adds none: its real-token count and groups are data-dependent sizes of custom ops.
+MAX_GRAPHS = 5
+
+
+@pytest.mark.slow  # a minute on 2 cores
+@needs_tracing
+def test_a_compiled_training_step_keeps_its_graphs_bounded_over_1000_random_batches():
+    """torch.compile(fullgraph=True) of a training step (dropout on, the exact padding-free layout) over 1,000 batches
+    of 1 to 8 sequences of 1 to 99 tokens, each padded to its longest: at most MAX_GRAPHS graphs, and none compiled in
+    the second half (its outputs against eager: test_compiled_model_matches_in_both_layouts, tests/test_gpu.py)."""
+    config = BertImplConfig(**{**TINY, "max_position_embeddings": 128, "hidden_dropout_prob": 0.1,
+                               "attention_probs_dropout_prob": 0.1})
+    torch.manual_seed(0)
+    model = BertImplModel(config).train()
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    generator = torch.Generator().manual_seed(0)
+    graphs = []
+    for step in range(1000):
+        lengths = torch.randint(1, 100, (int(torch.randint(1, 9, (), generator=generator)),), generator=generator)
+        mask = (torch.arange(int(lengths.max())) < lengths[:, None]).long()  # (B, T)
+        ids = torch.randint(1, 99, mask.shape, generator=generator) * mask
+        out = compiled(input_ids=ids, attention_mask=mask)
+        (out.last_hidden_state.square().mean() + out.pooler_output.sum()).backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] <= MAX_GRAPHS, f"{graphs[-1]} graphs over 1,000 batches"
+    assert graphs[499] == graphs[-1], "graphs compiled in the second half: recompiles do not settle"
+
+
 @needs_tracing
 def test_layers_compile_without_graph_breaks():
     torch.manual_seed(0)
