@@ -4,6 +4,7 @@
     python benchmarks/bench_model.py --device cuda    # GPU: BERT-base config, random weights, bf16 autocast, MFU
     python benchmarks/bench_model.py --compile --skip-train   # + our encoder under torch.compile (inductor)
     python benchmarks/bench_model.py --device cuda --repadded  # + ours with attention re-padded (no flash kernel)
+    python benchmarks/bench_model.py --shapes --break-even     # where skipping padding pays (layouts.BREAK_EVEN_FLOPS)
     python benchmarks/bench_model.py --device cuda --shapes --mfu base:128 large:512 --mfu-compile base:128  # MFU
 
 Both models get the same weights (a stock `BertForPreTraining` folder; MiniLM has no pre-training heads, so those are
@@ -29,6 +30,11 @@ the masked rows as the recipe runs it), bf16 autocast on GPU, with its model FLO
 MFU = model FLOPs of the step / measured step time / the device's peak dense bf16 FLOP/s (datasheet: H100 SXM 989
 TFLOP/s; `--peak-tflops` to override; where the device is not in the table, the measured matmul throughput).
 `--mfu-compile` times the named steps under torch.compile as well.
+
+With `--break-even`, ours in inference on full batches with a rising number of padded rows (1, 2, 4, ...), the padded
+layout against the padding-free one (`unpad_inputs` False and True), alternating: the fewest padded rows from which
+the padding-free layout stays faster, and what they cost in FLOPs of the dense layers, which is what
+`layouts.BREAK_EVEN_FLOPS` holds per device type.
 
 Sequence lengths are drawn like sentence lengths: log-normal around 55% of the maximum, clipped to [lo, hi]; each
 batch is padded to its longest sequence, as a dynamic-padding collator does.
@@ -336,6 +342,61 @@ def bench_mfu(spec: str, args, peak_flops: float | None, measured_flops: float |
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Where skipping padding pays
+# ---------------------------------------------------------------------------------------------------------------------
+BREAK_EVEN_SHAPES = {"cpu": [(1, 32), (8, 32), (32, 64)], "cuda": [(1, 128), (64, 128), (64, 512)]}
+
+
+def padded_rows_batch(B: int, T: int, rows: int, vocab: int, device: str) -> dict:
+    """A (B, T) batch whose last rows hold `rows` padding positions in all (each row keeps at least 2 tokens)."""
+    mask = torch.ones(B, T, dtype=torch.long)
+    left, b = rows, B - 1
+    while left > 0:
+        take = min(left, T - 2)
+        mask[b, T - take:] = 0
+        left, b = left - take, b - 1
+    ids = torch.randint(1000, vocab, (B, T), generator=torch.Generator().manual_seed(0)) * mask
+    batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def bench_break_even(folder: str, args):
+    _, ours = load_models(folder, args.device)
+    ours.eval()
+    config = ours.config
+    row_flops = 2 * config.num_hidden_layers * (4 * config.hidden_size**2 + 2 * config.hidden_size
+                                                * config.intermediate_size)
+    current = modeling_bert_impl.layouts.BREAK_EVEN_FLOPS.get(args.device)
+
+    def layout(unpad_inputs):
+        def run(batch):
+            ours.config.unpad_inputs = unpad_inputs
+            inference(ours, batch, args.device)
+        return run
+
+    run = {"padded": layout(False), "padding-free": layout(True)}
+    print(f"\nload average: {open('/proc/loadavg').read().strip()}")
+    print(f"where skipping padding pays: a row costs {row_flops / 1e6:.1f} MFLOP in the dense layers; "
+          f"layouts.BREAK_EVEN_FLOPS[{args.device!r}] = {current if current is None else f'{current / 1e6:g} MFLOP'}")
+    for B, T in BREAK_EVEN_SHAPES[args.device]:
+        crossing, cells = None, []  # crossing: the fewest padded rows from which padding-free stays faster
+        for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            if rows > B * T // 2:
+                break
+            batch = padded_rows_batch(B, T, rows, config.vocab_size, args.device)
+            for name in run:
+                run[name](batch)  # warm-up
+            rates = alternate(run, [batch], 3 * args.repeats, args.device)
+            rates = {name: statistics.median(rate) for name, rate in rates.items()}
+            ratio = rates["padding-free"] / rates["padded"]
+            cells.append(f"{rows}: {ratio:.2f}x")
+            crossing = (crossing or rows) if ratio > 1 else None
+        pays = "never" if crossing is None else f"{crossing} rows = {crossing * row_flops / 1e6:,.0f} MFLOP"
+        print(f"  {B} x {T}: padding-free / padded by padded rows: {', '.join(cells)}; pays from {pays}")
+    ours.config.unpad_inputs = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------------------
 def report(title: str, values: dict):
@@ -433,6 +494,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also time our encoder under torch.compile (inductor)")
+    parser.add_argument("--break-even", action="store_true",
+                        help="also find the padded rows from which the padding-free layout is faster")
     parser.add_argument("--repadded", action="store_true",
                         help="also time ours with the exact layout's attention re-padded for SDPA (no flash kernel)")
     parser.add_argument("--mfu", nargs="*", default=[], metavar="PRESET:T",
@@ -466,8 +529,10 @@ def main(argv=None):
         print(f"MFU peak: {peak_flops / 1e12:.0f} TFLOP/s dense bf16 ({name}); measured bf16 matmul (8192^3): "
               f"{measured_flops / 1e12:.0f} TFLOP/s; padding-free attention in bf16: {varlen_kernel_name()}")
     with tempfile.TemporaryDirectory() as folder:
-        if args.shapes:
+        if args.shapes or args.break_even:
             write_weights(args.device, folder)
+        if args.break_even:
+            bench_break_even(folder, args)
         for shape in args.shapes:
             lo, hi, batch_size = (int(x) for x in shape.split(":"))
             bench_shape(folder, lo, hi, batch_size, args, peak_flops)

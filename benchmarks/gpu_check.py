@@ -75,8 +75,8 @@ CARRY = ROOT / ".gpu_carry"
 
 # What each part runs, per device: GPU sizes fit the 20-minute budget on one H100, CPU ones a few minutes on 2 cores.
 BENCH_ARGS = {
-    "cuda": ["--shapes", "8:128:64", "32:512:64", "--repadded"],
-    "cpu": ["--shapes", "8:32:8", "--batches", "1", "--repeats", "1", "--repadded"],
+    "cuda": ["--shapes", "8:128:64", "32:512:64", "--repadded", "--break-even"],
+    "cpu": ["--shapes", "8:32:8", "--batches", "1", "--repeats", "1", "--repadded", "--break-even"],
 }
 MFU_ARGS = {
     "cuda": ["--shapes", "--mfu", "base:128", "base:512", "large:128", "large:512", "--mfu-compile", "base:128",

@@ -28,11 +28,12 @@ class BertImplConfig(PreTrainedConfig):
         Run the encoder without the batch's padding when the attention mask has some (or the batch is packed): unpad
         once per forward, re-pad the outputs. On CUDA the dense layers see real tokens only; on CPU sequences are
         bucketed by length and padded within their bucket (a few percent of extra rows, no copies per layer). Same
-        outputs as the padded computation, less work. `None`: so, except on a call where code of the user's looks
-        inside the encoder (a hook on one of its modules, a submodule replaced by a class of the user's), which runs
-        the padded layout so that this code sees stock's (B, T, H) tensors. `True`: always (hooks inside the encoder
-        then see the (P, H) rows of real tokens). `False`: never. The `eager` attention implementation and
-        `output_attentions=True` always take the padded path.
+        outputs as the padded computation, less work. `None`: so where the padded rows skipped cost more than the
+        padding-free layout itself (a batch with a few padded rows runs padded: `layouts.skipping_pays`), except on
+        a call where code of the user's looks inside the encoder (a hook on one of its modules, a submodule replaced
+        by a class of the user's), which runs the padded layout so that this code sees stock's (B, T, H) tensors.
+        `True`: always (hooks inside the encoder then see the (P, H) rows of real tokens). `False`: never. The
+        `eager` attention implementation and `output_attentions=True` always take the padded path.
     sparse_prediction (`bool`, defaults to `False`):
         With MLM `labels`, run the vocabulary decoder on the masked positions only (labels != -100): the masked-LM and
         pre-training heads then return logits for those M rows, (M, V) in row-major (B, T) order, and the same loss.

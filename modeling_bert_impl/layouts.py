@@ -14,10 +14,10 @@ layout.
 - `BucketedLayout`, padding-free on the CPU: the sequences sorted by length into groups, each padded to its group's
   longest (P a few percent over nnz), so that attention takes each group as a plain batch, from views of the rows.
 
-Padding-free wherever there are rows to skip, except where only stock's layout gives what is asked or what is
-attached needs it: attention maps or the `eager` implementation, cached keys (prefix tuning),
-`config.unpad_inputs=False`, or (with `unpad_inputs` None, the default) code of the user's that looks inside the encoder
-(`looking_inside`), so that it sees stock's (B, T, H) tensors.
+Padding-free wherever there are rows to skip and skipping them pays (`skipping_pays`), except where only stock's
+layout gives what is asked or what is attached needs it: attention maps or the `eager` implementation, cached keys
+(prefix tuning), `config.unpad_inputs=False`, or (with `unpad_inputs` None, the default) code of the user's that
+looks inside the encoder (`looking_inside`), so that it sees stock's (B, T, H) tensors.
 """
 
 import functools
@@ -269,21 +269,43 @@ def stock_mask(config, batch: Batch, x: torch.Tensor, implementation: str):
 # ---------------------------------------------------------------------------------------------------------------------
 # The choice
 # ---------------------------------------------------------------------------------------------------------------------
+# A padding-free layout's own cost in a forward (gathering and scattering the rows, grouping them on the host), as the
+# FLOPs of dense work on padded rows it equals, per device type: with `unpad_inputs` None it runs where the padded
+# rows it skips cost more (`skipping_pays`). Measured by `bench_model.py --break-even`: on a 2-core AVX-512 EPYC, 2
+# threads, 40-340 MFLOP (MiniLM: 2-16 padded rows; a 2-layer H=128 model: 64-128), within a few percent either way
+# near it (benchmarks/NOTES.md, "When skipping padding pays"). A device type not listed (CUDA: not measured yet) skips
+# wherever there is padding.
+BREAK_EVEN_FLOPS = {"cpu": 1e8}
+
+
 def choose_layout(config, batch: Batch, x: torch.Tensor, encoder: nn.Module, output_attentions: bool):
     """The layout of a forward on `batch`, whose embeddings are x (B, T, H): padding-free where it may run
     (`padding_free`) and nothing of the user's looks inside the encoder (`observed`), `bucketed` or exact; else
     stock's."""
     implementation = "eager" if output_attentions else config._attn_implementation  # maps exist on eager only
-    if not padding_free(config, batch, implementation) or observed(config, encoder):
+    if not padding_free(config, batch, implementation, x.device) or observed(config, encoder):
         return PaddedLayout.build(config, batch, x, implementation)
     return (BucketedLayout if bucketed(x) else VarlenLayout).build(batch, x)
 
 
-def padding_free(config, batch: Batch, implementation: str) -> bool:
+def padding_free(config, batch: Batch, implementation: str, device: torch.device) -> bool:
     """Whether a padding-free layout may run: rows to skip (padding, or packed sequences), and nothing asked that
-    stock's layout alone gives: `unpad_inputs=False`, the `eager` implementation (attention maps), cached keys."""
+    stock's layout alone gives: `unpad_inputs=False`, the `eager` implementation (attention maps), cached keys; with
+    `unpad_inputs` None, where skipping pays (`skipping_pays`)."""
     return (batch.rows_to_skip and config.unpad_inputs is not False and implementation != "eager"
-            and not batch.cache_length)
+            and not batch.cache_length and (config.unpad_inputs or skipping_pays(config, batch, device)))
+
+
+def skipping_pays(config, batch: Batch, device: torch.device) -> bool:
+    """Whether the padded rows a padding-free layout skips cost more than the layout itself (`BREAK_EVEN_FLOPS`), by
+    the FLOPs of the encoder's dense layers on them: 2 L (4 H^2 + 2 H I) a row. Packed batches always (the padded
+    layout would attend to a block-diagonal mask over every row), traced ones always (nnz is not read)."""
+    if batch.packs is not None or batch.facts.nnz is None:
+        return True
+    B, T = batch.shape
+    H, L = config.hidden_size, config.num_hidden_layers
+    row_flops = 2 * L * (4 * H * H + 2 * H * config.intermediate_size)
+    return (B * T - batch.facts.nnz) * row_flops >= BREAK_EVEN_FLOPS.get(device.type, 0)
 
 
 def bucketed(x: torch.Tensor) -> bool:

@@ -122,6 +122,16 @@ def small_lora_merged_package():
         return bi.compile_for_inference(merged)
 
 
+@pytest.fixture
+def skipping_always_pays(monkeypatch):
+    """The padding-free layout wherever a batch has padding, whatever it saves: for tests about what else decides the
+    layout (frameworks' layers, loading, kernels) on models so small that skipping a few padded rows does not pay for
+    the layout (`layouts.skipping_pays`), so that the cost rule alone would keep them padded."""
+    from modeling_bert_impl import layouts
+
+    monkeypatch.setattr(layouts, "BREAK_EVEN_FLOPS", {})
+
+
 @pytest.fixture(scope="session")
 def minilm_dir():
     """Folder of sentence-transformers/all-MiniLM-L6-v2: a stock BertModel (L=6, H=384) with its tokenizer. From the

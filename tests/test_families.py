@@ -92,7 +92,7 @@ def assert_same(got, expected, mask):
 
 @pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_stock_checkpoints_load_with_stock_names_outputs_and_losses(family, head, tmp_path):
+def test_stock_checkpoints_load_with_stock_names_outputs_and_losses(family, head, tmp_path, skipping_always_pays):
     """Each head of each family: transformers' model saved, ours loading it with every weight, the same module and
     state-dict names, the same outputs on a padded batch padding-free and padded, the same loss (QA aside: ours keeps
     spans off padding), and ours saved loading back into transformers' class with the same tensors."""

@@ -169,7 +169,7 @@ def test_masked_lm_keeps_the_stock_output_contract(tmp_path, patched):
     assert max_diff(got.logits[real], expected.logits[real]) < TOL and max_diff(got.loss, expected.loss) < TOL
 
 
-def test_our_config_fields_are_from_pretrained_keywords(tmp_path, patched):
+def test_our_config_fields_are_from_pretrained_keywords(tmp_path, patched, skipping_always_pays):
     from modeling_bert_impl.stock_format import OUR_FIELDS
 
     assert {field: getattr(bi.BertImplConfig(), field) for field in OUR_FIELDS} == OUR_FIELDS  # the same defaults

@@ -316,7 +316,7 @@ def test_defaults_on_stock_folders_loaded_through_the_patch(stock_dir):
     assert {n.split(".")[-1] for n in patched.base_model.targeted_module_names} == {"query", "value"}
 
 
-def test_poly_and_lily_run_padded_batches_with_stock_answers(stock_dir):
+def test_poly_and_lily_run_padded_batches_with_stock_answers(stock_dir, skipping_always_pays):
     """Poly mixes LoRA modules per example and Lily averages its router over every position of the batch, padding
     included: on the padding-free rows their answers would differ from stock's (Lily's by ~4e-4 here), so our model
     runs them on padded batches (their layers are in BATCH_LAYOUT_LAYERS), where they are stock's; LoRA's stay
@@ -335,7 +335,7 @@ def test_poly_and_lily_run_padded_batches_with_stock_answers(stock_dir):
     assert built, "LoRA's layers keep the padding-free layout"
 
 
-def test_trainer_lora_save_reload_merge(stock_dir, tmp_path):
+def test_trainer_lora_save_reload_merge(stock_dir, tmp_path, skipping_always_pays):
     from datasets import Dataset
 
     model = get_peft_model(ours(stock_dir), LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8))

@@ -75,7 +75,7 @@ def stand_in():
 
 
 @pytest.fixture
-def flash_on_cpu(stand_in, monkeypatch):
+def flash_on_cpu(stand_in, monkeypatch, skipping_always_pays):
     """The exact layout with torch's flash kernel taken on the CPU (the stand-in's): what a CUDA GPU runs."""
     monkeypatch.setattr(bp, "torch_flash_takes", lambda device, dtype, head_dim: True)
     monkeypatch.setattr(layouts, "bucketed", lambda x: False)

@@ -19,7 +19,7 @@ from modeling_bert_impl.bert_padding import (
     unpad,
     unpad_indices,
 )
-from helpers import needs_tracing
+from helpers import layouts_built, needs_tracing
 from modeling_bert_impl.input_checks import read_batch
 
 TOL = 1e-5
@@ -196,6 +196,33 @@ def test_padded_sdpa_mask_is_transformers_for_every_query():
     assert packed.shape == (1, 1, 14, 14) and not packed[0, 0, 0, 4] and packed[0, 0, 5, 4]
 
 
+def test_the_padding_free_layout_runs_where_skipping_pays(monkeypatch):
+    """With `unpad_inputs` None the padded rows' FLOPs in the dense layers, 2 L (4 H^2 + 2 H I) a row, must reach the
+    layout's own cost (`layouts.BREAK_EVEN_FLOPS`, here set to 10 rows of TINY): 9 padded rows run the padded layout,
+    10 the padding-free one, `unpad_inputs=True` the padding-free one at 1; outputs the same either way. Packed and
+    traced batches always skip; a device type not measured skips wherever there is padding."""
+    config = BertImplConfig(**TINY)
+    row_flops = 2 * 2 * (4 * 32 * 32 + 2 * 32 * 37)  # hand-computed: L=2, H=32, I=37
+    monkeypatch.setattr(layouts, "BREAK_EVEN_FLOPS", {"cpu": 10 * row_flops})
+    model = BertImplModel(config).eval()
+    for padded_rows, unpad_inputs, padding_free in ((9, None, False), (10, None, True), (1, True, True)):
+        batch = mixed_batch(99, [14, 14 - padded_rows, 14])
+        model.config.unpad_inputs = unpad_inputs
+        with torch.no_grad(), layouts_built(model) as built:
+            got = model(**batch).last_hidden_state
+        assert bool(built) is padding_free, (padded_rows, unpad_inputs)
+        model.config.unpad_inputs = False
+        with torch.no_grad():
+            expected = model(**batch).last_hidden_state
+        assert real_diff(got, expected, batch["attention_mask"]) <= TOL
+    nine = read(config, **mixed_batch(99, [14, 5, 14]))
+    assert not layouts.skipping_pays(config, nine, torch.device("cpu"))
+    assert layouts.skipping_pays(config, nine, torch.device("cuda"))  # not measured there: skip wherever padding
+    assert layouts.skipping_pays(config, nine._replace(facts=nine.facts._replace(nnz=None)), torch.device("cpu"))
+    packed = read(config, input_ids=torch.randint(1, 99, (1, 14)), cu_seq_lens_q=torch.tensor([0, 7, 14]).int())
+    assert layouts.skipping_pays(config, packed, torch.device("cpu"))
+
+
 def test_batch_of_padding_only_runs():
     model = BertImplModel(BertImplConfig(**TINY)).eval()
     with torch.no_grad():
@@ -327,6 +354,44 @@ def test_a_compiled_training_step_keeps_its_graphs_bounded_over_1000_random_batc
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[-1] <= MAX_GRAPHS, f"{graphs[-1]} graphs over 1,000 batches"
     assert graphs[499] == graphs[-1], "graphs compiled in the second half: recompiles do not settle"
+
+
+@needs_tracing
+def test_bucketed_lengths_on_the_padded_layout_compile_one_static_graph_each():
+    """What CUDA graphs (torch.compile's mode="reduce-overhead") need, checked on the CPU: the padded layout
+    (`unpad_inputs=False`) on batches of 8 padded to a multiple of 32 tokens, compiled with dynamic=False, holds one
+    graph per length bucket (4 over 200 batches of 1 to 128 tokens) and no op of data-dependent size; the padding-free
+    layout's graph has one (its real-token count), which is why inductor records no CUDA graph for it."""
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def data_dependent(gm) -> bool:
+        return any("nonzero" in str(node.target) for node in gm.graph.nodes)
+
+    torch.manual_seed(0)
+    model = BertImplModel(BertImplConfig(**{**TINY, "max_position_embeddings": 128, "unpad_inputs": False})).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=recording_backend)
+    generator, buckets = torch.Generator().manual_seed(0), set()
+    with torch.no_grad():
+        for _ in range(200):
+            longest = int(torch.randint(1, 129, (), generator=generator))
+            lengths = torch.randint(1, longest + 1, (8,), generator=generator)
+            T = -(-int(lengths.max()) // 32) * 32  # DataCollatorWithPadding(pad_to_multiple_of=32)
+            buckets.add(T)
+            mask = (torch.arange(T) < lengths[:, None]).long()
+            compiled(input_ids=torch.randint(1, 99, (8, T), generator=generator) * mask, attention_mask=mask)
+        assert len(buckets) == len(graphs) == 4 and not any(map(data_dependent, graphs))
+        model.config.unpad_inputs = True
+        torch._dynamo.reset()
+        graphs.clear()
+        mask = (torch.arange(32) < torch.tensor([32, 5, 17, 9, 32, 2, 30, 11])[:, None]).long()
+        torch.compile(model, fullgraph=True, dynamic=False, backend=recording_backend)(
+            input_ids=torch.randint(1, 99, (8, 32)) * mask, attention_mask=mask)
+        assert len(graphs) == 1 and data_dependent(graphs[0])
 
 
 @needs_tracing
