@@ -25,8 +25,8 @@ set), whose failure is recorded and does not stop the others:
   max_seq_length, its default, and padded per batch) on the same sentiment CSV files: samples/s and eval accuracy
   (BERT-base config with random weights, bf16; where `datasets` is installed or carried).
 
-The host's CPU, where it has bfloat16 units (AMX or AVX512-BF16; GPU hosts often do, the project's 2-core machines do
-not), in more parts that say "not run" elsewhere (2 threads, as those machines have, unless said):
+The host's CPU, where it has bfloat16 units (AMX or AVX512-BF16; GPU hosts often do, and some of the project's 2-core
+machines), in more parts that say "not run" elsewhere (2 threads, as those machines have, unless said):
 
 - bf16_tests: the bfloat16 tests (`-k "bfloat16 or bf16"` in tests/test_serving.py, and tests/test_pretraining.py
   where `datasets` is installed), which skip without such units: `optimize_for_inference(dtype=torch.bfloat16)`
