@@ -13,7 +13,8 @@ set), whose failure is recorded and does not stop the others:
 
 - env: torch, CUDA, the GPUs, transformers, flash_attn; what was installed and what could not be;
 - tests: `tests/test_gpu.py` with BERT_IMPL_TEST_DEVICE set (every attention implementation, layout and dtype against
-  float64 transformers, gradients, Trainer in bf16 with a resume, torch.compile, peak memory against transformers);
+  float64 transformers, gradients, Trainer in bf16 with a resume, torch.compile, peak memory against transformers),
+  and `tests/test_torch_flash.py` (which kernel the padding-free path takes on the device);
 - bench: `benchmarks/bench_model.py`: inference and training real tokens/s against transformers' sdpa BERT on
   mixed-length batches (BERT-base config, bf16 autocast; lengths 8..128 and 32..512, batch 64), and against ours
   with the attention re-padded (the path without a flash kernel: the A/B of torch's flash kernel);
@@ -184,7 +185,8 @@ def part_command(part: str, device: str, out: Path = Path("gpu-check-results"),
     if part.startswith("bf16_"):
         return bf16_command(part, out, env or {})
     if part == "tests":
-        return [sys.executable, "-m", "pytest", "-q", "-s", "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+        return [sys.executable, "-m", "pytest", "-q", "-s", "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py",
+                "tests/test_torch_flash.py"]
     if part == "glue":
         if not importable("datasets", (env or {}).get("PYTHONPATH", "")):
             return "not run: `datasets` is not installed (the recipes read their data with it)"
