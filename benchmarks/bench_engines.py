@@ -14,6 +14,8 @@ package is not installed; `pip install bert-impl[bench]` installs them all):
   packed oneDNN weights, query, key and value in one product, fused layers);
 - bert-impl optimized bf16: `optimize_for_inference(model, dtype=torch.bfloat16)`, its products in bfloat16, the rest
   float32 (on a CPU with AMX or AVX512-BF16; skipped, with a line saying so, elsewhere, as are the other bf16 engines);
+- bert-impl compiled bf16: `compile_for_inference(model, path, dtype=torch.bfloat16)`, the program's products in
+  bfloat16 (the calls it does not run take the optimized bf16 path);
 - transformers bf16: the stock `BertModel` in bfloat16 (`.to(torch.bfloat16)`), as a user runs it at that precision;
 - bert-impl compiled: the inference model `compile_for_inference(model, path)` returns
   (modeling_bert_impl/inference/compiled_encoder.py): the encoder compiled ahead of time by AOTInductor (batch 1 and
@@ -107,9 +109,9 @@ from modeling_bert_impl import (  # noqa: E402
 from modeling_bert_impl.inference import cpu_bf16_units  # noqa: E402
 
 THREADS = 2
-ENGINES = ["transformers", "bert-impl", "bert-impl optimized", "bert-impl optimized bf16", "transformers bf16",
-           "OpenVINO bf16", "bert-impl compiled", "bert-impl int8", "bert-impl int8 compiled", "ORT", "ORT int8",
-           "CTranslate2", "OpenVINO", "transformers + compile", "bert-impl + compile"]
+ENGINES = ["transformers", "bert-impl", "bert-impl optimized", "bert-impl optimized bf16", "bert-impl compiled bf16",
+           "transformers bf16", "OpenVINO bf16", "bert-impl compiled", "bert-impl int8", "bert-impl int8 compiled", "ORT",
+           "ORT int8", "CTranslate2", "OpenVINO", "transformers + compile", "bert-impl + compile"]
 ISOLATED = "CTranslate2"  # run in a process of its own (module docstring)
 
 
@@ -195,12 +197,14 @@ def bf16(name: str, build):
     return build()
 
 
-def bf16_builders(model_dir: str, ours) -> dict:
+def bf16_builders(model_dir: str, ours, workdir: str) -> dict:
     """The bfloat16 engines' builders, each skipped with a line where the CPU has no bfloat16 units; `ours` the
     bert-impl model they are made from."""
     return {
         "bert-impl optimized bf16": lambda: bf16("bert-impl optimized bf16", lambda: torch_engine(
             optimize_for_inference(ours, dtype=torch.bfloat16))),
+        "bert-impl compiled bf16": lambda: bf16("bert-impl compiled bf16", lambda: torch_engine(compile_for_inference(
+            ours, os.path.join(workdir, "bert_impl_bf16.pt2"), dtype=torch.bfloat16))),
         "transformers bf16": lambda: bf16("transformers bf16", lambda: torch_engine(
             FAMILY.reference.from_pretrained(model_dir, attn_implementation="sdpa").eval().to(torch.bfloat16))),
         "OpenVINO bf16": lambda: bf16("OpenVINO bf16", lambda: optional("OpenVINO bf16", "openvino",
@@ -352,7 +356,7 @@ def build_engines(model_dir: str, workdir: str, skip: set) -> dict:
         "transformers": lambda: torch_engine(ref),
         "bert-impl": lambda: torch_engine(ours),
         "bert-impl optimized": lambda: torch_engine(optimize_for_inference(ours)),
-        **bf16_builders(model_dir, ours),
+        **bf16_builders(model_dir, ours, workdir),
         "bert-impl compiled": lambda: torch_engine(compile_for_inference(ours, os.path.join(workdir, "bert_impl.pt2"))),
         "bert-impl int8": lambda: torch_engine(int8_of_ours()),
         "bert-impl int8 compiled": lambda: torch_engine(compile_for_inference(
@@ -512,7 +516,7 @@ def reduced_precision_accuracy(model_dir: str, workdir: str, classifier_dir: str
                 "ORT": lambda: optional("ORT", "onnxruntime", lambda: ort_engine(model_dir, workdir)),
                 "ORT int8": lambda: optional("ORT int8", "onnxruntime",
                                              lambda: ort_engine(model_dir, workdir, int8=True)),
-                **bf16_builders(model_dir, ours)}
+                **bf16_builders(model_dir, ours, workdir)}
     for name, build in builders.items():
         engine = None if name in skip else build()
         if engine is not None:

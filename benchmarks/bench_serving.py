@@ -40,7 +40,7 @@ from bench_engines import Engine, loadavg, make_batch, minilm_dir, optional, tor
 
 from modeling_bert_impl import BertImplModel, compile_for_inference, optimize_for_inference  # noqa: E402
 
-ENGINES = ["bert-impl optimized", "bert-impl compiled", "ORT", "OpenVINO"]
+ENGINES = ["bert-impl optimized", "bert-impl compiled", "bert-impl compiled bf16", "ORT", "OpenVINO"]
 
 
 def queries() -> dict:
@@ -57,6 +57,8 @@ def build(names: list[str], workdir: str) -> dict:
     builders = {
         "bert-impl optimized": lambda: torch_engine(optimize_for_inference(model)),
         "bert-impl compiled": lambda: torch_engine(compile_for_inference(model, os.path.join(workdir, "m.pt2"))),
+        "bert-impl compiled bf16": lambda: bench_engines.bf16("bert-impl compiled bf16", lambda: torch_engine(
+            compile_for_inference(model, os.path.join(workdir, "m_bf16.pt2"), dtype=torch.bfloat16))),
         "ORT": lambda: optional("ORT", "onnxruntime", lambda: bench_engines.ort_engine(minilm_dir(), workdir)),
         "OpenVINO": lambda: optional("OpenVINO", "openvino", lambda: bench_engines.openvino_engine(minilm_dir())),
     }

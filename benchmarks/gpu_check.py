@@ -86,8 +86,8 @@ MFU_ARGS = {
 }
 DDP_ARGS = {"cuda": ["--preset", "base", "--seq_len", "128"],
             "cpu": ["--preset", "tiny", "--seq_len", "32", "--steps", "2", "--warmup", "1"]}
-BF16_ENGINES = ["transformers", "bert-impl optimized", "bert-impl optimized bf16", "transformers bf16", "OpenVINO",
-                "OpenVINO bf16"]
+BF16_ENGINES = ["transformers", "bert-impl optimized", "bert-impl optimized bf16", "bert-impl compiled bf16",
+                "transformers bf16", "OpenVINO", "OpenVINO bf16"]
 GLUE_ARGS = {"cuda": ["--model", "base", "--bf16", "--examples", "8192", "--epochs", "1", "--batch", "32"],
              "cpu": ["--examples", "96", "--max_seq_length", "64", "--batch", "16"]}
 TIMEOUTS = {"tests": 540, "bench": 540, "mfu": 540, "ddp": 300, "glue": 420, "bf16_tests": 120, "bf16_engines": 150,

@@ -35,8 +35,8 @@ from modeling_bert_impl.inference.anatomy import encoder_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
-    HEADS, LAYOUTS, NAN_TOKEN, SMALL, layout_inputs, needs_tracing, numpy_writes_are_refused, output_tensors,
-    small_ids, small_int8_model, small_lora, small_model,
+    BF16_SENTENCE_COSINE, BF16_TOKEN_COSINE, HEADS, LAYOUTS, NAN_TOKEN, SMALL, layout_inputs, needs_tracing,
+    numpy_writes_are_refused, output_tensors, small_ids, small_int8_model, small_lora, small_model,
 )
 
 pytestmark = needs_tracing
@@ -443,7 +443,7 @@ def test_loaded_compiled_and_called_under_inference_mode(packages, encoder_state
 def test_a_package_of_another_format_is_refused(packages, encoder_state, monkeypatch):
     monkeypatch.setattr(compiled_encoder, "FORMAT", "bert-impl compiled model 5")
     with pytest.raises(ValueError, match=re.escape("compiled from another package format (format 'bert-impl compiled "
-                                                   "model 6', here 'bert-impl compiled model 5')")):
+                                                   "model 7', here 'bert-impl compiled model 5')")):
         compiled("BertImplModel", packages, encoder_state)
 
 
@@ -609,6 +609,50 @@ def test_models_it_cannot_compile_are_refused():
         bi.compile_for_inference(flex)
     with pytest.raises(ValueError, match="not a bert-impl model"):
         bi.compile_for_inference(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"compile_for_inference: dtype=torch.float16 is not supported"):
+        bi.compile_for_inference(small_model(0), dtype=torch.float16)
+
+
+def test_bfloat16_is_refused_without_bfloat16_units_and_for_an_int8_model(encoder_state, monkeypatch):
+    monkeypatch.setattr(bi.inference.serving, "cpu_bf16_units", lambda: None)
+    with pytest.raises(ValueError, match=r"compile_for_inference: dtype=torch.bfloat16 needs a CPU with AMX or "
+                                         r"AVX512-BF16.*use dtype=torch.float32"):
+        bi.compile_for_inference(small_model(0), dtype=torch.bfloat16)
+    monkeypatch.setattr(bi.inference.serving, "cpu_bf16_units", lambda: "AMX")
+    with pytest.raises(ValueError, match=r"dtype: an int8 model \(quantize_for_inference\) compiles with its int8"):
+        bi.compile_for_inference(small_int8_model(encoder_state, 10), dtype=torch.bfloat16)
+
+
+@pytest.mark.skipif(bi.inference.packed_linear.cpu_bf16_units() is None, reason="needs a CPU with AMX or AVX512-BF16 "
+                    "(the refusal elsewhere: test_bfloat16_is_refused_without_bfloat16_units_and_for_an_int8_model)")
+def test_a_bfloat16_program_stays_within_the_bfloat16_bound_of_float32(encoder_state, tmp_path):
+    """compile_for_inference(dtype=torch.bfloat16): the program runs one query, a dense batch and a query padded to a
+    fixed length; its products are bfloat16 ones (an output that is not float32's) within the bound stated for
+    bfloat16 of the float32 inference model (per-token and mean-pooled cosine); its package says bfloat16, and a
+    float32 compile pointed at it is refused naming the precision."""
+    model = small_model(0)
+    path = tmp_path / "bf16.pt2"
+    half, full = bi.compile_for_inference(model, path, dtype=torch.bfloat16), bi.optimize_for_inference(model)
+    calls = program_calls(half)
+    padded = F.pad(small_ids(1, 2), (0, 3))  # (1, 12): 9 real tokens
+    cases = [{"input_ids": small_ids(1, 1)}, {"input_ids": small_ids(4, 3)},
+             {"input_ids": padded, "attention_mask": (padded != 0).long()}]
+    tokens, sentences = [], []
+    with torch.inference_mode():
+        for inputs in cases:
+            got, expected = half(**inputs).last_hidden_state, full(**inputs).last_hidden_state
+            assert got.dtype == torch.float32 and not torch.equal(got, expected)
+            real = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
+            tokens.append(torch.cosine_similarity(got[real], expected[real], dim=-1))
+            pool = lambda h: (h * real[..., None]).sum(1) / real.sum(1, keepdim=True)  # noqa: E731 (mean pooling)
+            sentences.append(torch.cosine_similarity(pool(got), pool(expected), dim=-1))
+    assert len(calls) == len(cases)
+    tokens, sentences = torch.cat(tokens), torch.cat(sentences)
+    assert tokens.min() >= BF16_TOKEN_COSINE["min"] and tokens.mean() >= BF16_TOKEN_COSINE["mean"]
+    assert sentences.min() >= BF16_SENTENCE_COSINE
+    assert compiled_encoder.read_manifest(str(path), compiled_encoder.FORMAT)["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match=re.escape("another precision (dtype 'bfloat16', here 'float32')")):
+        bi.compile_for_inference(model, path)
 
 
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Short one.",

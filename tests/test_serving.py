@@ -25,8 +25,8 @@ from modeling_bert_impl.inference.packed_linear import PackedLinear, pack, packe
 from modeling_bert_impl.inference.serving import optimize_for_inference
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
-    HEADS, LAYOUTS, NUMPY_WRITES, SMALL, assert_same_state, layout_inputs, model_state, numpy_writes_are_refused,
-    output_tensors, small_lora,
+    BF16_SENTENCE_COSINE, BF16_TOKEN_COSINE, HEADS, LAYOUTS, NUMPY_WRITES, SMALL, assert_same_state, layout_inputs,
+    model_state, numpy_writes_are_refused, output_tensors, small_lora,
 )
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -296,11 +296,6 @@ def test_bfloat16_is_refused_by_name_where_the_cpu_has_no_bfloat16_units(minilm_
         optimize_for_inference(model, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"dtype=torch.float16 is not supported; use torch.float32"):
         optimize_for_inference(model, dtype=torch.float16)
-
-
-# the accuracy docs/cpu-inference.md states for dtype=torch.bfloat16 on MiniLM, against its float32 inference model
-BF16_TOKEN_COSINE = {"min": 0.999, "mean": 0.9999}
-BF16_SENTENCE_COSINE = 0.9999
 
 
 @pytest.mark.skipif(packed_linear.cpu_bf16_units() is None, reason="needs a CPU with AMX or AVX512-BF16 (the "

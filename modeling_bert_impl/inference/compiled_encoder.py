@@ -54,9 +54,9 @@ from .fused_layers import UNMASKED_ATTENTION, QKVAttention, group_size
 from .package_file import read_manifest, write_manifest
 from .packed_linear import untraced
 from .quantization import Int8Linear
-from .serving import base_of, optimize_copy, refuse_foreign_products
+from .serving import base_of, check_dtype, optimize_copy, refuse_foreign_products
 
-FORMAT = "bert-impl compiled model 6"  # what the package's metadata says it holds; a new layout gets a new number
+FORMAT = "bert-impl compiled model 7"  # what the package's metadata says it holds; a new layout gets a new number
 
 
 class Program(nn.Module):
@@ -72,7 +72,8 @@ class Program(nn.Module):
                          position_ids=position_ids, return_dict=False)
 
 
-def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | None = None) -> nn.Module:
+def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | None = None,
+                          dtype: torch.dtype = torch.float32) -> nn.Module:
     """An inference model of `model` (any bert-impl head, on CPU in float32, or the int8 model
     `quantize_for_inference` made of one; the model itself is not changed) whose encoder runs as a program compiled
     ahead of time, in eval mode, refusing training with a ValueError.
@@ -88,7 +89,11 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     before, and every
     other call runs `optimize_for_inference`'s path. The weights are the model's at this call: changing the model
     afterwards does not change the inference model (compile again). An int8 model's program runs `Int8Linear`'s traced
-    formulation."""
+    formulation.
+
+    `dtype=torch.bfloat16` (a CPU with AMX or AVX512-BF16, as `optimize_for_inference(dtype=torch.bfloat16)`): the
+    program's products take their inputs rounded to bfloat16 and bfloat16 weights (`Bf16Product`), everything else in
+    float32; the calls it does not run take `optimize_for_inference(dtype=torch.bfloat16)`'s path."""
     require_tracing_torch("compile_for_inference", "or use optimize_for_inference (nothing traced)")
     base = base_of(model)
     if not isinstance(base, BertImplModel):
@@ -97,12 +102,16 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in base.parameters()):
         raise ValueError("model: compile_for_inference compiles for CPU in float32; move the model with "
                          "`.float().cpu()` first")
+    check_dtype(model, dtype, "compile_for_inference")
+    if dtype != torch.float32 and int8(base):
+        raise ValueError("dtype: an int8 model (quantize_for_inference) compiles with its int8 products; leave dtype "
+                         "at torch.float32")
     if base.config._attn_implementation not in UNMASKED_ATTENTION:
         raise ValueError(f"model: attention implementation {base.config._attn_implementation!r} is not compiled; "
                          f"load the model with attn_implementation in {UNMASKED_ATTENTION}")
     metadata = {"format": FORMAT, "torch": torch.__version__, "cpu": cpu_instructions(),
-                "fingerprint": fingerprint(base)}
-    frozen = optimize_copy(inference_copy(model, "compile_for_inference"))
+                "fingerprint": fingerprint(base), "dtype": str(dtype).removeprefix("torch.")}
+    frozen = optimize_copy(inference_copy(model, "compile_for_inference"), dtype)
     frozen_base = base_of(frozen)
     if package_path is not None and os.path.exists(package_path):
         package_path = os.fspath(package_path)
@@ -115,7 +124,7 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
                              f"PATH: {INSTALL_COMPILER}; or give package_path a package compiled for this CPU")
         if package_path is None:
             package_path = os.path.join(tempfile.mkdtemp(prefix="bert_impl_"), "model.pt2")
-        runner = compile_package(frozen_base, os.fspath(package_path), metadata)
+        runner = compile_package(frozen_base, os.fspath(package_path), metadata, dtype)
     frozen_base.__class__ = compiled_class(type(frozen_base))
     frozen_base.compiled_encoder = CompiledEncoder(runner, frozen_base)
     frozen_base.program_tree = ModuleTree(frozen_base)
@@ -127,7 +136,7 @@ def check_metadata(found: dict, metadata: dict, package_path: str) -> None:
     differs = [key for key, value in metadata.items() if found.get(key) != value]
     if differs:
         what = {"format": "package format", "torch": "torch release", "cpu": "CPU instruction set",
-                "fingerprint": "model or weights"}
+                "fingerprint": "model or weights", "dtype": "precision"}
         raise ValueError(
             f"package_path: {package_path} was compiled from another "
             + " and ".join(what[k] for k in differs)
@@ -387,10 +396,11 @@ def load_package(package_path: str, kernels: bool):
     return torch._inductor.aoti_load_package(package_path)
 
 
-def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str]):
+def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str],
+                    dtype: torch.dtype = torch.float32):
     """Export the forward with batch and length dynamic, compile it with AOTInductor (weights frozen in oneDNN's
-    layout, or on an AVX2 CPU in our kernels' panels: avx2_gemm.py), write the package with its manifest
-    (`write_manifest`: `metadata`, whether it calls our kernels, its digest) and load it."""
+    layout, or on an AVX2 CPU in our kernels' panels: avx2_gemm.py; in bfloat16, `Bf16Product`s), write the package
+    with its manifest (`write_manifest`: `metadata`, whether it calls our kernels, its digest) and load it."""
     # (B, T) an example; the program takes any B >= 1, 2 <= T <= positions. Contiguous, as the program's inputs will be:
     # AOTInductor compiles for the example's strides (positions expanded over the batch would be read from row 0 only).
     ids = torch.ones(2, 8, dtype=torch.long)
@@ -398,8 +408,8 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
     configs = {"freezing": True, **gemm_configs(base)}
-    kernels = avx2_gemm.chosen(base)
-    with torch.no_grad(), avx2_gemm.kernel_modules(base) if kernels else joint_attention(base):
+    kernels = dtype == torch.float32 and avx2_gemm.chosen(base)
+    with torch.no_grad(), avx2_gemm.kernel_modules(base) if kernels else joint_attention(base, dtype):
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4)
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
@@ -417,14 +427,36 @@ def joint_product(layers: list[nn.Module]) -> nn.Module:
     return joint
 
 
-def joint_attention(base: BertImplModel):
+def joint_attention(base: BertImplModel, dtype: torch.dtype = torch.float32):
     """While tracing the program: each layer's self-attention a `QKVAttention` with torch's attention on one product
-    of query, key and value (one GEMM in the program, as the fused layers run them); put back after."""
+    of query, key and value (one GEMM in the program, as the fused layers run them); in bfloat16 every product of the
+    encoder and the pooler a `Bf16Product`; put back after."""
     targets = []
+    bf16 = dtype == torch.bfloat16
     for layer in base.encoder.layer:
-        (qkv, _), *_ = layer_sites(layer)
-        targets.append((layer.attention, "self", QKVAttention(layer.attention.self, joint_product(qkv))))
+        (qkv, _), *others = layer_sites(layer)
+        joint = joint_product(qkv)
+        targets.append((layer.attention, "self", QKVAttention(layer.attention.self, Bf16Product(joint) if bf16
+                                                              else joint)))
+        if bf16:
+            targets += [(parent, name, Bf16Product(module)) for (module,), ((parent, name),) in others]
+    if bf16 and getattr(base, "pooler", None) is not None:
+        targets.append((base.pooler, "dense", Bf16Product(base.pooler.dense)))
     return avx2_gemm.swapped(targets)
+
+
+class Bf16Product(nn.Module):
+    """A linear layer as the bfloat16 program traces it (`bf16_product`'s arithmetic): its input rounded to
+    bfloat16, the product on the weight in bfloat16, the output back in float32 plus the float32 bias."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x):  # (..., in) float32 -> (..., out) float32
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).float()
+        return y if self.bias is None else y + self.bias
 
 
 CPU_INT64 = lambda t: t.dtype == torch.int64 and t.device.type == "cpu"  # noqa: E731

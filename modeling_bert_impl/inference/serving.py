@@ -37,21 +37,20 @@ def optimize_for_inference(model: nn.Module, dtype: torch.dtype = torch.float32)
     return fix_weights(optimize_copy(inference_copy(model, "optimize_for_inference"), dtype))
 
 
-def check_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """A ValueError for a dtype optimize_for_inference does not run: not float32 or bfloat16, or bfloat16 on a CPU
-    without bfloat16 units, or for a model whose weights are not on the CPU."""
+def check_dtype(model: nn.Module, dtype: torch.dtype, engine: str = "optimize_for_inference") -> None:
+    """A ValueError for a dtype the `engine` does not run: not float32 or bfloat16, or bfloat16 on a CPU without
+    bfloat16 units, or for a model whose weights are not on the CPU."""
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"optimize_for_inference: dtype={dtype} is not supported; use torch.float32 (the default) or "
-                         "torch.bfloat16")
+        raise ValueError(f"{engine}: dtype={dtype} is not supported; use torch.float32 (the default) or torch.bfloat16")
     if dtype == torch.float32:
         return
     if cpu_bf16_units() is None:
-        raise ValueError("optimize_for_inference: dtype=torch.bfloat16 needs a CPU with AMX or AVX512-BF16, and this "
-                         f"one has neither ({torch.backends.cpu.get_cpu_capability()}): its bfloat16 products would "
-                         "run slower than float32; use dtype=torch.float32 (the default)")
+        raise ValueError(f"{engine}: dtype=torch.bfloat16 needs a CPU with AMX or AVX512-BF16, and this one has "
+                         f"neither ({torch.backends.cpu.get_cpu_capability()}): its bfloat16 products would run slower "
+                         "than float32; use dtype=torch.float32 (the default)")
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cpu"}:
-        raise ValueError(f"optimize_for_inference: dtype=torch.bfloat16 is for a model on the CPU, and this one is on "
+        raise ValueError(f"{engine}: dtype=torch.bfloat16 is for a model on the CPU, and this one is on "
                          f"{sorted(devices)}; on a GPU run the model under torch.autocast or in bfloat16 itself")
 
 
