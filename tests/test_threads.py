@@ -79,3 +79,30 @@ def test_an_engine_lowers_the_threads_to_the_usable_cpus_and_says_so_once(torch_
     torch.set_num_threads(2)
     bi.optimize_for_inference(model)
     assert torch.get_num_threads() == 2  # the user's
+
+
+def test_single_queries_take_one_thread_while_the_cores_are_contended(torch_threads):
+    """QueryThreads on a scripted clock: quiet calls stay at full threads; a single slow call (a hiccup) changes
+    nothing; two calls in a row 1.5x slower than the fastest start one-thread calls, with a full-thread probe after 4,
+    8, 16 and then every 32 of them; a probe faster than the last one-thread call ends the spell; one thread
+    throughout where torch has one."""
+    torch.set_num_threads(2)
+    now = [0.0]
+    governor = threads.QueryThreads(clock=lambda: now[0])
+
+    def call(full_seconds: float, one_seconds: float = 1.5) -> int:
+        def run():  # the program: its time depends on the threads it runs with
+            now[0] += full_seconds if torch.get_num_threads() == 2 else one_seconds
+            return torch.get_num_threads()
+        return governor(16, run)
+
+    assert [call(1.0) for _ in range(4)] == [2, 2, 2, 2]  # quiet: fastest 1.0
+    assert [call(1.6), call(1.0)] == [2, 2]  # one slow call, then a fast one: no spell
+    assert [call(2.5), call(2.5)] == [2, 2]  # a neighbour arrives: two slow calls in a row start the spell
+    spell = [call(2.5) for _ in range(4 + 1 + 8 + 1 + 16 + 1)]  # probes at full threads, slower than one thread
+    assert spell == [1] * 4 + [2] + [1] * 8 + [2] + [1] * 16 + [2]
+    assert torch.get_num_threads() == 2  # put back after each one-thread call
+    assert [call(1.1) for _ in range(33)] == [1] * 32 + [2]  # the neighbour left: the next probe beats one thread
+    assert [call(1.0) for _ in range(3)] == [2, 2, 2]  # the spell ended
+    torch.set_num_threads(1)
+    assert [call(5.0) for _ in range(4)] == [1, 1, 1, 1]

@@ -55,6 +55,7 @@ from .package_file import read_manifest, write_manifest
 from .packed_linear import untraced
 from .quantization import Int8Linear
 from .serving import base_of, check_dtype, optimize_copy, refuse_foreign_products
+from .threads import QueryThreads
 
 FORMAT = "bert-impl compiled model 7"  # what the package's metadata says it holds; a new layout gets a new number
 
@@ -508,6 +509,7 @@ class CompiledEncoder:
         # rows (`real_tokens`: one row, a query padded to a fixed length, runs the program on its real tokens).
         self.padded_batches = int8(base)
         self.max_tokens = token_limit(base) or math.inf  # calls of more tokens take the eager path
+        self.query_threads = QueryThreads()  # single queries on one thread while the cores are contended
 
     def __deepcopy__(self, memo):
         return self
@@ -533,8 +535,11 @@ class CompiledEncoder:
         return found
 
     def program(self, input_ids, token_type_ids, position_ids, mask) -> list:
-        """The program on (B, T) inputs."""
-        return self.run([input_ids.contiguous(), mask, token_type_ids.contiguous(), position_ids.contiguous()])
+        """The program on (B, T) inputs; one row (a single query) on the threads `QueryThreads` chooses."""
+        inputs = [input_ids.contiguous(), mask, token_type_ids.contiguous(), position_ids.contiguous()]
+        if input_ids.shape[0] == 1:
+            return self.query_threads(input_ids.shape[1], lambda: self.run(inputs))
+        return self.run(inputs)
 
     def dense(self, ids: tuple[torch.Tensor, ...], ones: torch.Tensor) -> list:
         """A batch without padding (B, T): the program on groups of `group_size(T)` sequences, as the eager path runs

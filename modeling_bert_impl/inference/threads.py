@@ -12,10 +12,16 @@ scheduled, or throttled, and a single query's latency stretches by whole schedul
 How OpenMP's idle threads wait (spinning on their cores a while after each parallel region, or sleeping) is fixed
 when torch loads OpenMP, before any of this runs: docs/cpu-inference.md says how to start a serving process whose
 threads sleep.
+
+A single query beside another process that holds one of the cores waits at every parallel region for the thread that
+shares its core, and takes several times its quiet time on two threads; on one thread it takes its one-thread time,
+quiet or not (benchmarks/NOTES.md, "Single queries beside a busy core"). `QueryThreads` tells the two cases apart by
+the calls' own times and runs single queries on one thread while the cores are contended.
 """
 
 import math
 import os
+import time
 
 import torch
 from transformers.utils import logging
@@ -93,3 +99,68 @@ def size_threads(engine: str) -> None:
         logger.warning_once(
             f"{engine}: torch had {threads} threads, and this process may run {usable} at once (its CPU affinity and "
             f"cgroup CPU quota): set to {usable}. Set OMP_NUM_THREADS before starting Python to choose them yourself")
+
+
+class QueryThreads:
+    """How many threads a compiled program's single queries run with: torch's while the cores are free, one while
+    another process holds one of them. Told from the calls' own times, per query length: after `SLOW_CALLS` calls in a
+    row slower than `SLOWER` x the fastest seen at full threads, the calls run on one thread, and now and then one at
+    full threads again (after `FIRST_PROBE` calls, then twice as many each time, at most `LAST_PROBE`), which ends the
+    one-thread spell where it beats the last one-thread call. A process that starts beside the neighbour takes that
+    pace as its fastest and stays at full threads."""
+
+    SLOWER = 1.5
+    SLOW_CALLS = 2
+    FIRST_PROBE, LAST_PROBE = 4, 32
+    LENGTHS = 64  # query lengths whose times are kept (the tables are emptied when full)
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.fastest: dict[int, float] = {}  # query length -> fastest seconds at full threads
+        self.one_thread: dict[int, float] = {}  # query length -> the last one-thread call's seconds
+        self.slow_calls = 0  # full-thread calls in a row slower than SLOWER x the fastest
+        self.spell = False  # single queries on one thread
+        self.until_probe = 0  # one-thread calls before the next full-thread one
+        self.probe_every = self.FIRST_PROBE
+
+    def __call__(self, length: int, run):
+        """run() for a query of `length` tokens, on the threads chosen; its result."""
+        threads = torch.get_num_threads()
+        one = threads > 1 and self.spell and self.until_probe > 0
+        if one:
+            torch.set_num_threads(1)
+        start = self.clock()
+        try:
+            result = run()
+        finally:
+            if one:
+                torch.set_num_threads(threads)
+        seconds = self.clock() - start
+        if one:
+            self.until_probe -= 1
+            self.keep(self.one_thread, length, seconds)
+        elif threads > 1:
+            self.full_threads(length, seconds)
+        return result
+
+    def full_threads(self, length: int, seconds: float) -> None:
+        """A full-thread call's time: the fastest kept; the one-thread spell begun, or (a probe) ended or prolonged."""
+        fastest = self.fastest.get(length)
+        if fastest is None or seconds < fastest:
+            self.keep(self.fastest, length, seconds)
+        if self.spell:  # a probe: full threads against the last one-thread call of this length
+            if seconds < self.one_thread.get(length, self.SLOWER * (fastest or seconds)):
+                self.spell, self.slow_calls = False, 0
+            else:
+                self.probe_every = min(2 * self.probe_every, self.LAST_PROBE)
+                self.until_probe = self.probe_every
+            return
+        self.slow_calls = self.slow_calls + 1 if fastest is not None and seconds > self.SLOWER * fastest else 0
+        if self.slow_calls >= self.SLOW_CALLS:
+            self.spell, self.probe_every = True, self.FIRST_PROBE
+            self.until_probe = self.probe_every
+
+    def keep(self, table: dict[int, float], length: int, seconds: float) -> None:
+        if len(table) >= self.LENGTHS and length not in table:
+            table.clear()
+        table[length] = seconds
