@@ -364,8 +364,7 @@ def bench_break_even(folder: str, args):
     _, ours = load_models(folder, args.device)
     ours.eval()
     config = ours.config
-    row_flops = 2 * config.num_hidden_layers * (4 * config.hidden_size**2 + 2 * config.hidden_size
-                                                * config.intermediate_size)
+    row_flops = modeling_bert_impl.layouts.row_flops(config)
     current = modeling_bert_impl.layouts.BREAK_EVEN_FLOPS.get(args.device)
 
     def layout(unpad_inputs):

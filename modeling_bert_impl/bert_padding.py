@@ -194,11 +194,11 @@ def torch_flash_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -
     own check accepts (the GPU's generation, the head dim). Decided once per key, said once in the log."""
     key = (device, dtype, head_dim)
     if key not in TORCH_FLASH:
-        TORCH_FLASH[key] = takes = torch_flash_refusal(device, dtype, head_dim) is None
+        refusal = torch_flash_refusal(device, dtype, head_dim)
+        TORCH_FLASH[key] = refusal is None
         if device.type == "cuda":
-            logger.info(f"padding-free attention on {device} in {dtype}: " + (
-                "torch's flash kernel" if takes else
-                f"SDPA on the sequences re-padded ({torch_flash_refusal(device, dtype, head_dim)})"))
+            logger.info(f"padding-free attention on {device} in {dtype}: "
+                        + (f"SDPA on the sequences re-padded ({refusal})" if refusal else "torch's flash kernel"))
     return TORCH_FLASH[key]
 
 

@@ -298,14 +298,19 @@ def padding_free(config, batch: Batch, implementation: str, device: torch.device
 
 def skipping_pays(config, batch: Batch, device: torch.device) -> bool:
     """Whether the padded rows a padding-free layout skips cost more than the layout itself (`BREAK_EVEN_FLOPS`), by
-    the FLOPs of the encoder's dense layers on them: 2 L (4 H^2 + 2 H I) a row. Packed batches always (the padded
+    the FLOPs of the encoder's dense layers on them (`row_flops`). Packed batches always (the padded
     layout would attend to a block-diagonal mask over every row), traced ones always (nnz is not read)."""
     if batch.packs is not None or batch.facts.nnz is None:
         return True
     B, T = batch.shape
-    H, L = config.hidden_size, config.num_hidden_layers
-    row_flops = 2 * L * (4 * H * H + 2 * H * config.intermediate_size)
-    return (B * T - batch.facts.nnz) * row_flops >= BREAK_EVEN_FLOPS.get(device.type, 0)
+    return (B * T - batch.facts.nnz) * row_flops(config) >= BREAK_EVEN_FLOPS.get(device.type, 0)
+
+
+def row_flops(config) -> int:
+    """A row's FLOPs in the encoder's dense layers, forward: 2 L (4 H^2 + 2 H I) (query, key, value and the attention
+    output's products, the feed-forward's two)."""
+    H = config.hidden_size
+    return 2 * config.num_hidden_layers * (4 * H * H + 2 * H * config.intermediate_size)
 
 
 def bucketed(x: torch.Tensor) -> bool:

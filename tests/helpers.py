@@ -30,6 +30,10 @@ BF16_SENTENCE_COSINE = 0.9999
 SMALL = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
              max_position_embeddings=64, type_vocab_size=2, num_labels=3)
 
+# the padding-free path's tests: a 2-layer model without dropout
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
 TRACING = "tracing a bert-impl model (torch.compile, torch.export)"
 NEEDED = ".".join(map(str, input_checks.TRACING_TORCH))
 needs_tracing = pytest.mark.skipif(not input_checks.TRACING_SUPPORTED,
@@ -192,3 +196,28 @@ def numpy_writes_are_refused(inference, model, write) -> None:
         for shape in ((1, 9), (3, 9)):
             ids = torch.randint(1, SMALL["vocab_size"], shape, generator=torch.Generator().manual_seed(5))
             assert (inference(input_ids=ids).last_hidden_state - model(input_ids=ids).last_hidden_state).abs().max() < 1e-5
+
+
+def attention_per_sequence(q, k, v, lengths, scaling, keeps=None):
+    """softmax(q k^T * scaling) v on each sequence alone: q, k, v (nnz, N, D) split by `lengths` -> (nnz, N, D);
+    `keeps`, a dropout mask (N, L, L) per sequence (already scaled by 1 / (1 - p)), multiplies the probabilities."""
+    out = []
+    for s, (qi, ki, vi) in enumerate(zip(q.split(lengths), k.split(lengths), v.split(lengths))):
+        p = torch.softmax(qi.transpose(0, 1) @ ki.permute(1, 2, 0) * scaling, -1)  # (N, L, L)
+        out.append(((p if keeps is None else p * keeps[s]) @ vi.transpose(0, 1)).transpose(0, 1))
+    return torch.cat(out)  # (nnz, N, D)
+
+
+def mixed_batch(vocab: int, lengths: list[int], left: set[int] = frozenset(), seed: int = 0) -> dict:
+    """Rows of random ids of the given lengths ([CLS] ... [SEP] with a real vocabulary), right-padded except the rows
+    in `left`."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(vocab // 30, vocab, (len(lengths), T), generator=g)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        span = slice(T - n, T) if b in left else slice(0, n)
+        mask[b, span] = 1
+        if n and vocab > 102:
+            ids[b, span.start], ids[b, span.stop - 1] = 101, 102
+    return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}

@@ -10,11 +10,9 @@ import torch.nn.functional as F
 from transformers import BertConfig, BertModel
 
 import modeling_bert_impl.bert_padding as bp
-from helpers import needs_tracing
+from helpers import TINY, attention_per_sequence, mixed_batch, needs_tracing
 from modeling_bert_impl import BertImplConfig, BertImplModel, layouts
 
-TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 LENGTHS = [9, 3, 14, 6, 1]
 EXACT = 1e-10  # float64 throughout: the stand-in and SDPA's math differ in summation order only
 
@@ -83,15 +81,6 @@ def flash_on_cpu(stand_in, monkeypatch, skipping_always_pays):
     return stand_in
 
 
-def reference_attention(q, k, v, lengths, scale, keeps=None):
-    """softmax(q k^T * scale) v per sequence through autograd, in q's dtype; keeps: a dropout mask per sequence."""
-    out = []
-    for s, (qs, ks, vs) in enumerate(zip(q.split(lengths), k.split(lengths), v.split(lengths))):
-        p = torch.softmax(qs.transpose(0, 1) @ ks.permute(1, 2, 0) * scale, -1)  # (N, L, L)
-        out.append(((p if keeps is None else p * keeps[s]) @ vs.transpose(0, 1)).transpose(0, 1))
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
 def test_the_stand_in_is_the_ops_math(stand_in, dropout_p):
     """The stand-in itself against autograd on the same formula: output, logsumexp, and q, k, v's gradients with the
@@ -104,7 +93,7 @@ def test_the_stand_in_is_the_ops_math(stand_in, dropout_p):
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 9, 9, dropout_p, False, False, scale=0.3)
     seed = stand_in[-1]["seed"]
     keeps = [keep for *_, keep in sequences(q, k, v, cu, 0.3, dropout_p, seed)]
-    expected = reference_attention(q, k, v, lengths, 0.3, keeps)
+    expected = attention_per_sequence(q, k, v, lengths, 0.3, keeps)
     assert (out - expected).abs().max() < EXACT
     scores = [qs.transpose(0, 1) @ ks.permute(1, 2, 0) * 0.3 for qs, ks in zip(q.split(lengths), k.split(lengths))]
     assert lse.shape == (2, sum(lengths)) and lse.dtype == torch.float32  # as the op returns it
@@ -142,21 +131,12 @@ def tiny_pair(**overrides) -> tuple[BertImplModel, BertModel]:
     return model, stock
 
 
-def padded_batch(lengths=LENGTHS, left=(1,)) -> dict:
-    g = torch.Generator().manual_seed(0)
-    T = max(lengths)
-    mask = torch.zeros(len(lengths), T, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        (mask[b, T - n:] if b in left else mask[b, :n]).fill_(1)
-    return {"input_ids": torch.randint(1, 99, (len(lengths), T), generator=g) * mask, "attention_mask": mask}
-
-
 def test_a_padded_batch_attends_through_torch_flash_as_stock(flash_on_cpu):
     """Inference on a padded batch (a row left-padded): the op gets the real tokens' (nnz, N, D) rows, contiguous, the
     sequences' int32 boundaries, their longest length, 1/sqrt(D) and no dropout, once per layer; the last hidden
     state equals transformers' BertModel on the same weights."""
     model, stock = tiny_pair()
-    batch = padded_batch()
+    batch = mixed_batch(99, LENGTHS, left={1})
     with torch.no_grad():
         got, want = model(**batch).last_hidden_state, stock(**batch).last_hidden_state
     real = batch["attention_mask"].bool()
@@ -174,7 +154,7 @@ def test_a_packed_batch_attends_through_torch_flash_as_stock(flash_on_cpu):
     """Sequences packed into one row by position ids restarting at 0 (DataCollatorWithFlattening's form): each attends
     to itself, as stock does on the padded batch."""
     model, stock = tiny_pair()
-    batch = padded_batch(left=())
+    batch = mixed_batch(99, LENGTHS)
     real = batch["attention_mask"].bool()
     packed = {"input_ids": batch["input_ids"][real][None],
               "position_ids": torch.cat([torch.arange(n) for n in LENGTHS])[None]}
@@ -199,7 +179,7 @@ def training_step(model, batch, seed: int):
 def test_a_training_step_through_torch_flash_has_stocks_gradients(flash_on_cpu):
     """Without dropout: the loss and every parameter's gradient equal stock's; the backward ran once per layer."""
     model, stock = tiny_pair()
-    batch = padded_batch(left=())  # stock's pooler reads position 0 of a left-padded row, ours its [CLS]
+    batch = mixed_batch(99, LENGTHS)  # stock's pooler reads position 0 of a left-padded row, ours its [CLS]
     (loss, grads), (want_loss, want_grads) = training_step(model, batch, 0), training_step(stock, batch, 0)
     assert (loss - want_loss).abs() < EXACT
     assert max((a - b).abs().max().item() for a, b in zip(grads, want_grads)) < EXACT
@@ -210,7 +190,7 @@ def test_attention_dropout_is_the_ops_own_and_replays(flash_on_cpu):
     """In training the op takes the attention dropout (and none in eval); its mask comes from torch's generator, so
     the same seed replays a step exactly and another seed changes it; the backward gets the forward's state."""
     model, _ = tiny_pair(attention_probs_dropout_prob=0.2)
-    batch = padded_batch()
+    batch = mixed_batch(99, LENGTHS, left={1})
     model.train()
     first = training_step(model, batch, 3)
     forwards = [c for c in flash_on_cpu if c["op"] == "forward"]
@@ -233,7 +213,7 @@ def test_a_compiled_training_step_takes_torch_flash(flash_on_cpu):
     registered backward), with the dropout drawn as in eager, so loss and gradients equal eager's on the same seed."""
     model, _ = tiny_pair(attention_probs_dropout_prob=0.2)
     model.train()
-    batch = padded_batch()
+    batch = mixed_batch(99, LENGTHS, left={1})
     want = training_step(model, batch, 5)
     flash_on_cpu.clear()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")

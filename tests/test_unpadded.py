@@ -19,12 +19,10 @@ from modeling_bert_impl.bert_padding import (
     unpad,
     unpad_indices,
 )
-from helpers import layouts_built, needs_tracing
+from helpers import TINY, attention_per_sequence, layouts_built, mixed_batch, needs_tracing
 from modeling_bert_impl.input_checks import read_batch
 
 TOL = 1e-5
-TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def real_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -81,12 +79,6 @@ def test_bucketed_rows():
 # ---------------------------------------------------------------------------------------------------------------------
 # Attention kernels and layouts: every one against softmax attention run on each sequence alone
 # ---------------------------------------------------------------------------------------------------------------------
-def attention_per_sequence(q, k, v, lengths, scaling):
-    out = [F.softmax(qi.transpose(0, 1) @ ki.permute(1, 2, 0) * scaling, -1) @ vi.transpose(0, 1)
-           for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
-    return torch.cat([o.transpose(0, 1) for o in out])  # (nnz, N, D)
-
-
 LENGTHS = [5, 0, 9, 1, 7, 7]
 
 
@@ -133,21 +125,6 @@ def minilm(minilm_dir):
     finally:
         transformers.logging.set_verbosity(verbosity)
     return ours, stock
-
-
-def mixed_batch(vocab: int, lengths: list[int], left: set[int] = frozenset(), seed: int = 0) -> dict:
-    """Rows of random ids of the given lengths ([CLS] ... [SEP] with a real vocabulary), right-padded except the rows
-    in `left`."""
-    g = torch.Generator().manual_seed(seed)
-    T = max(lengths)
-    ids = torch.randint(vocab // 30, vocab, (len(lengths), T), generator=g)
-    mask = torch.zeros(len(lengths), T, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        span = slice(T - n, T) if b in left else slice(0, n)
-        mask[b, span] = 1
-        if n and vocab > 102:
-            ids[b, span.start], ids[b, span.stop - 1] = 101, 102
-    return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
 
 
 def test_minilm_unpadded_matches_transformers_and_eager(minilm):

@@ -10,9 +10,9 @@ MODEL is a folder or a Hub id, of BERT or of one of its descendants (RoBERTa, XL
 the tasks of tasks.py's table (default: the folder's architecture). OUTPUT_DIR gets model.onnx (weights inside, or
 beside it in model.onnx.data above 1 GiB), config.json (the stock family's, by `stock_format.write_stock_config`),
 the tokenizer files when MODEL has some (none are made up where it has none), and export.json (what was exported and
-the measured max |diff| against PyTorch on a padded sample batch of another shape than the one exported). The graph is torch.export's of the padded
-path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask, token_type_ids, each (batch, sequence), or
-(batch, choices, sequence) for multiple choice.
+the measured max |diff| against PyTorch on a padded sample batch of another shape than the one exported). The graph
+is torch.export's of the padded path (`torch.onnx.export(dynamo=True)`); inputs input_ids, attention_mask,
+token_type_ids, each (batch, sequence), or (batch, choices, sequence) for multiple choice.
 """
 
 import argparse
