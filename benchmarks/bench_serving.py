@@ -14,9 +14,10 @@ that pads to a fixed length sends them.
   neighbour a shared machine has.
 - clients: for each engine in turn, `--clients` threads of this process (as a web server's workers call the model)
   each sending single queries back to back for `--seconds`; p50 and p99 latency and queries per second in all.
-- call: `compile_for_inference`'s model on each query, its median latency, then the same with its program replaced by
-  a stub that returns the program's outputs for the shape (so what is left is the call's own work: the checks, the
-  choice of program, the output), calls alternating; then cProfile's largest entries over the stubbed calls.
+- call: `compile_for_inference`'s model on each query, its median latency; its program called directly on the inputs
+  the call gives it (the call minus that is the call's own work, on the caches the program leaves behind, as a server
+  meets it); the call with its program replaced by a stub that returns the program's outputs for the shape (its own
+  work on warm caches); the three alternating; then cProfile's largest entries over the stubbed calls.
 """
 
 import argparse
@@ -39,6 +40,7 @@ import bench_engines  # noqa: E402
 from bench_engines import Engine, loadavg, make_batch, minilm_dir, optional, torch_engine  # noqa: E402
 
 from modeling_bert_impl import BertImplModel, compile_for_inference, optimize_for_inference  # noqa: E402
+from modeling_bert_impl.inference.threads import QueryThreads  # noqa: E402
 
 ENGINES = ["bert-impl optimized", "bert-impl compiled", "bert-impl compiled bf16", "ORT", "OpenVINO"]
 
@@ -140,16 +142,17 @@ def clients_part(engines: dict, clients: list[int], seconds: float, threads: int
 def call_part(workdir: str, rounds: int, calls: int) -> None:
     model = compile_for_inference(BertImplModel.from_pretrained(minilm_dir()).eval(), os.path.join(workdir, "m.pt2"))
     encoder = model.compiled_encoder
-    program, outputs = encoder.run, {}
+    program, outputs, given = encoder.run, {}, {}
 
-    def stub(args):  # the program's outputs for these inputs' shapes, computed once
+    def stub(args):  # the program's outputs for these inputs' shapes, computed once; the inputs kept
         key = tuple(a.shape for a in args)
         if key not in outputs:
-            outputs[key] = program(args)
+            given[key], outputs[key] = list(args), program(args)
         return outputs[key]
 
     def median_us(inputs, run) -> float:
         encoder.run = run
+        encoder.query_threads = QueryThreads()  # afresh: the stub's times would be its fastest
         times = []
         with torch.inference_mode():
             for _ in range(calls):
@@ -158,15 +161,29 @@ def call_part(workdir: str, rounds: int, calls: int) -> None:
                 times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e6
 
-    print("\n| query | the call (us) | the call's own work, program stubbed (us) |\n|---|---:|---:|")
+    def alone_us(args) -> float:  # the program called directly on the inputs the call gave it
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            program(list(args))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    print("\n| query | the call (us) | its program alone (us) | the call's own work: call - program (us) | "
+          "own work, program stubbed (warm caches; us) |\n|---|---:|---:|---:|---:|")
     for query, batch in queries().items():
         inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-        median_us(inputs, stub), median_us(inputs, program)  # warm up
-        full, own = [], []
+        given.clear(), outputs.clear()
+        median_us(inputs, stub), median_us(inputs, program)  # warm up; the program's inputs kept
+        (args,) = given.values()
+        full, alone, own = [], [], []
         for _ in range(rounds):
             full.append(median_us(inputs, program))
+            alone.append(alone_us(args))
             own.append(median_us(inputs, stub))
-        print(f"| {query} | {statistics.median(full):.0f} | {statistics.median(own):.0f} |", flush=True)
+        full, alone = statistics.median(full), statistics.median(alone)
+        print(f"| {query} | {full:.0f} | {alone:.0f} | {full - alone:.0f} | {statistics.median(own):.0f} |",
+              flush=True)
     for query, batch in queries().items():
         inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
         encoder.run, profile = stub, cProfile.Profile()

@@ -35,25 +35,21 @@ run over the input in order, one float32 FMA at a time, qgemm's are exact intege
 """
 
 import functools
-import hashlib
-import os
 import platform
 import subprocess
 import sys
-import tempfile
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils import cpp_extension
 
+from . import native
 from .anatomy import encoder_linears, joined, layer_sites
 from .fused_layers import QKVAttention
 from .packed_linear import is_exact_gelu
 from .quantization import Int8Linear, weight_levels
 
-SOURCE = Path(__file__).with_name("csrc") / "sgemm_avx2.cpp"
+SOURCE = native.CSRC / "sgemm_avx2.cpp"
 PANEL = 16  # output columns per panel (the C++ kernel's PANEL)
 OP = "bert_impl::sgemm"
 INT8_OP = "bert_impl::qgemm"
@@ -95,29 +91,9 @@ def load() -> str | None:
 
 
 def build() -> str:
-    """The kernels' shared library in inductor's cache directory, compiled there first if it is not: its name holds a
-    hash of the source, the torch release and the flags. Written to a temporary name and renamed, so that processes
-    building it at once never load half a file."""
-    from torch._inductor.cpp_builder import get_cpp_compiler
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    library = cpp_extension.library_paths()[0]
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-I", cpp_extension.include_paths()[0],
-             "-L", library, "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{library}"]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, *flags]).encode()).hexdigest()[:20]
-    folder = os.path.join(cache_dir(), "bert_impl")
-    target = os.path.join(folder, f"sgemm_avx2_{key}.so")
-    if not os.path.exists(target):
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as scratch:
-            written = os.path.join(scratch, "sgemm_avx2.so")
-            compiler = get_cpp_compiler()
-            done = subprocess.run([compiler, str(SOURCE), "-o", written, *flags], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} could not build {SOURCE}: {done.stderr.strip()[-2000:]}")
-            os.replace(written, target)
-    return target
+    """The kernels' shared library (`native.build`)."""
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20", *native.torch_flags("torch_cpu", "c10")]
+    return native.build(SOURCE, flags)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

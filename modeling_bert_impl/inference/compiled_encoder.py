@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from . import avx2_gemm
+from . import avx2_gemm, native
 from ..bert_padding import unpad_indices
 from ..input_checks import require_tracing_torch
 from ..layouts import BucketedLayout, first_tokens
@@ -128,8 +128,10 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
         runner = compile_package(frozen_base, os.fspath(package_path), metadata, dtype)
     frozen_base.__class__ = compiled_class(type(frozen_base))
     frozen_base.compiled_encoder = CompiledEncoder(runner, frozen_base)
-    frozen_base.program_tree = ModuleTree(frozen_base)
-    return fix_weights(frozen)
+    fix_weights(frozen, native=True)
+    frozen_base.program_tree = ModuleTree(frozen_base, native=True)  # its checks in C++ where it is built
+    add_single_query(frozen_base)
+    return frozen
 
 
 def check_metadata(found: dict, metadata: dict, package_path: str) -> None:
@@ -151,7 +153,25 @@ class CompiledBertImplModel(InferenceModule, BertImplModel):
     BertImplModel for `compiled_class` of it): its forward runs the compiled program where it stands in for the model
     (`program_inputs`), the model's own forward elsewhere."""
 
-    # set by compile_for_inference: compiled_encoder (a CompiledEncoder, None to set it aside), program_tree
+    # set by compile_for_inference: compiled_encoder (a CompiledEncoder, None to set it aside), program_tree,
+    # single_query (`single_query`)
+    def __call__(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                 *args, **kwargs):
+        """A single query straight to the program where `single_query` takes it (one look in C++ at the call and at
+        everything that could change its answer); every other call through Module's call (the weights' check, hooks,
+        `forward`)."""
+        query, encoder = self.__dict__.get("single_query"), self.compiled_encoder
+        if (query is not None and encoder is not None and not args and not torch.compiler.is_compiling()
+                and not torch._C._is_tracing() and not torch.is_autocast_enabled("cpu")
+                and (found := query(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs))):
+            inputs, padding = found  # a query padded to a fixed length: its real tokens, the padding around them
+            outputs = encoder.query(inputs)
+            if padding is not None:  # (1, n, H) -> (1, T, H), zeros at padding as `one_row` puts them
+                outputs = [torch.constant_pad_nd(outputs[0], (0, 0, *padding)), *outputs[1:]]
+            out = model_output(*outputs)
+            return out if config_default(kwargs.get("return_dict"), self.config.return_dict) else out.to_tuple()
+        return super().__call__(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, *args, **kwargs)
+
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 output_attentions=None, output_hidden_states=None, cu_seq_lens_q=None, seq_idx=None,
                 label_checks=None, return_dict=None, pool_with=None, **kwargs):
@@ -312,6 +332,25 @@ def within_tables(given: list[tuple[torch.Tensor, int]]) -> bool:
         if low.item() < 0 or high.item() >= size:
             return False
     return True
+
+
+def add_single_query(base: BertImplModel) -> None:
+    """`base.single_query`: the check in C++ of a call that is a single query (csrc/quick_call.cpp: `SingleQuery`, the
+    calls it takes and the program's inputs it gives) for the compiled model `base`, watching (a `native.snapshot`)
+    the encoder's weights, the dicts its `program_tree` reads and its config: once one of them is touched (a weight
+    changed, a hook added, even if removed again, a config field set) the calls go through `forward`, whose checks see
+    what changed. None where the module is not built, for RoBERTa's positions (counted from the ids), or where the
+    config asks for outputs the program does not give."""
+    base.single_query = None
+    module, config = native.quick_call(), base.config
+    if module is None or base.embeddings.position_offset or config.output_attentions or config.output_hidden_states:
+        return
+    tensors = [*base.parameters(), *base.buffers()]
+    watch = native.snapshot(tensors=tensors, dicts=[*base.program_tree.watched(), vars(config)])
+    encoder = base.compiled_encoder
+    base.single_query = module.SingleQuery((watch,), encoder.by_shape, config.vocab_size, config.type_vocab_size,
+                                           encoder.max_length, min(encoder.max_tokens, 2**62))
+    watch.take()  # with the attribute just set
 
 
 @functools.cache
@@ -537,9 +576,12 @@ class CompiledEncoder:
     def program(self, input_ids, token_type_ids, position_ids, mask) -> list:
         """The program on (B, T) inputs; one row (a single query) on the threads `QueryThreads` chooses."""
         inputs = [input_ids.contiguous(), mask, token_type_ids.contiguous(), position_ids.contiguous()]
-        if input_ids.shape[0] == 1:
-            return self.query_threads(input_ids.shape[1], lambda: self.run(inputs))
-        return self.run(inputs)
+        return self.query(inputs) if input_ids.shape[0] == 1 else self.run(inputs)
+
+    def query(self, inputs: list) -> list:
+        """The program on a single query's inputs [ids, mask, token types, positions], each (1, T) and contiguous, on
+        the threads `QueryThreads` chooses."""
+        return self.query_threads(inputs[0].shape[1], lambda: self.run(inputs))
 
     def dense(self, ids: tuple[torch.Tensor, ...], ones: torch.Tensor) -> list:
         """A batch without padding (B, T): the program on groups of `group_size(T)` sequences, as the eager path runs

@@ -18,6 +18,7 @@ from torch.nn.modules import module as module_hooks
 from transformers import PreTrainedModel
 
 from ..layouts import DEFINED_FORWARDS
+from .native import snapshot
 from .packed_linear import bound_onednn_caches
 from .threads import size_threads
 
@@ -94,11 +95,11 @@ def inference_copy(model: nn.Module, engine: str) -> nn.Module:
     return frozen
 
 
-def fix_weights(model: nn.Module) -> nn.Module:
+def fix_weights(model: nn.Module, native: bool = False) -> nn.Module:
     """`model`, an engine's finished inference model, refusing a call once a weight was changed in place
-    (`WeightsFixed`), through `.data` too (`FixedParameter`, `FixedBuffer`)."""
+    (`WeightsFixed`; `native`: its first look in C++), through `.data` too (`FixedParameter`, `FixedBuffer`)."""
     recast(model, FIXED)
-    model.weights_fixed = WeightsFixed.of(model)
+    model.weights_fixed = WeightsFixed.of(model, native)
     return model
 
 
@@ -182,18 +183,22 @@ class WeightsFixed:
     object is not either: the fast paths step aside for it too (`ModuleTree`). A change through `.data`
     (`p.data.mul_(2)`) is counted: the engine's tensors are `FixedParameter`s and `FixedBuffer`s. Not seen: a change
     to a tensor made under torch.inference_mode() (which counts no version) inside that mode. A copy of the model
-    (`copy.deepcopy`) starts from its weights then, and keeps a change found before."""
+    (`copy.deepcopy`) starts from its weights then, and keeps a change found before.
 
-    def __init__(self, names: list[str], tensors: list, found: str | None = None):
+    `native`: the versions and pointers looked at first in C++ (`native.snapshot`, where it is built), which answers
+    "unchanged" in one call; where it does not, the look in Python decides."""
+
+    def __init__(self, names: list[str], tensors: list, found: str | None = None, native: bool = False):
         self.names, self.tensors, self.found = names, tensors, found
         self.counted = [t for t in tensors if not t.is_inference()]  # the tensors with a version counter
         self.versions, self.pointers = self.read()
         self.dtypes = list(map(DTYPE, tensors))
+        self.snapshot = snapshot(tensors=tensors) if native and found is None else None
 
     @classmethod
-    def of(cls, model: nn.Module) -> "WeightsFixed":
+    def of(cls, model: nn.Module, native: bool = False) -> "WeightsFixed":
         named = list(itertools.chain(model.named_parameters(), model.named_buffers()))
-        return cls([n for n, _ in named], [t for _, t in named])
+        return cls([n for n, _ in named], [t for _, t in named], native=native)
 
     def read(self) -> tuple[list, list]:
         with torch._C.DisableTorchFunctionSubclass():  # a third of the time on the subclasses (no Python step there)
@@ -201,7 +206,9 @@ class WeightsFixed:
 
     def changed(self) -> str | None:
         """The name of the first tensor changed in place since, or None. One look at the versions and the storage
-        pointers of the tensors, in C (each tensor apart only where one differs)."""
+        pointers of the tensors, in C++ (`snapshot`) or else in C (each tensor apart only where one differs)."""
+        if self.snapshot is not None and self.snapshot.same():
+            return None
         if self.found is None and self.read() == (self.versions, self.pointers):
             return None
         versions = dict(zip(map(id, self.counted), self.versions))
@@ -212,7 +219,8 @@ class WeightsFixed:
         return self.found
 
     def __deepcopy__(self, memo):
-        return WeightsFixed(self.names, [copy.deepcopy(t, memo) for t in self.tensors], self.changed())
+        return WeightsFixed(self.names, [copy.deepcopy(t, memo) for t in self.tensors], self.changed(),
+                            self.snapshot is not None)
 
 
 def refuse_loads(module: nn.Module, engine: str) -> None:
@@ -240,9 +248,11 @@ class ModuleTree:
     False while the `forward` of one of the package's classes in it is not the one the package defined (a patch
     `BertImplSelfOutput.forward = f`, before the path was built or after), so that the path steps aside and the modules
     run. transformers' own hooks that record attention maps are not counted (the paths step aside whenever those are
-    asked for). Each look is a few comparisons of lists, in C: no Python step per module."""
+    asked for). Each look is a few comparisons of lists, in C: no Python step per module. `native`: all it looks at
+    compared first in C++ (`native.snapshot`, where it is built; taken while unchanged), which answers "unchanged" in
+    one call where nothing it watches was touched."""
 
-    def __init__(self, root: nn.Module):
+    def __init__(self, root: nn.Module, native: bool = False):
         modules = list(root.modules())
         # the package's classes among the modules' (their bases included), each with the forward it was defined with
         defined = {k: DEFINED_FORWARDS[k] for cls in set(map(type, modules)) for k in cls.__mro__
@@ -253,8 +263,41 @@ class ModuleTree:
         self.built = [dict(children) for children in self.children]
         self.hooks = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
         self.states = [m.__dict__ for m in modules]
+        self.snapshot = None
+        if native:
+            self.snapshot = self.take_snapshot()
+
+    def take_snapshot(self):
+        """A `native.snapshot` of what `unchanged` reads (`watched`); None while it is False."""
+        return snapshot(dicts=self.watched()) if self.looks_unchanged() else None
+
+    def watched(self) -> list:
+        """The dicts `unchanged` reads: each it compares, the attributes of each module, the namespace of each class,
+        the global hooks and where torch keeps them."""
+        hooks = [getattr(module_hooks, name) for name in GLOBAL_HOOKS]
+        return [*self.children, *self.hooks, *self.states, *self.classes, *hooks, vars(module_hooks)]
+
+    def __deepcopy__(self, memo):
+        copied = copy.copy(self)
+        copied.__dict__ = copy.deepcopy({**vars(self), "snapshot": None}, memo)
+        if self.snapshot is not None:
+            copied.snapshot = copied.take_snapshot()
+        return copied
 
     def unchanged(self) -> bool:
+        """Whether nothing was replaced, hooked, patched or set to training since: the snapshot's one look where it has
+        one and sees nothing touched; else the look in Python, after which the snapshot is taken again where that
+        finds nothing changed (a module's attribute set to the same value, a hook added and removed)."""
+        if self.snapshot is None:
+            return self.looks_unchanged()
+        if self.snapshot.same():
+            return True
+        unchanged = self.looks_unchanged()
+        if unchanged:
+            self.snapshot.take()
+        return unchanged
+
+    def looks_unchanged(self) -> bool:
         if not self.same_children() or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
             return False
         if list(map(FORWARD, map(vars, self.classes))) != self.forwards:  # by identity first: functions compare so
@@ -273,5 +316,6 @@ class ModuleTree:
             return False
 
 
+GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")  # torch's hooks for every module
 TRAINING = operator.itemgetter("training")
 FORWARD = operator.methodcaller("get", "forward")  # of a class's namespace
