@@ -173,10 +173,7 @@ def test_a_single_query_is_taken_only_where_forward_runs_the_program_on_the_same
     inputs = {**TAKEN, **NOT_TAKEN}[case]
     for m in (reference, model):
         answer(m, dict(input_ids=IDS))  # the shape's constants made, as a first call makes them
-    args = [inputs.get(k) for k in ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")]
-    rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "token_type_ids",
-                                                        "position_ids", "inputs_embeds")}
-    taken = model.single_query(*args, rest)  # ([ids, mask, token types, positions], padding) or None
+    taken = model.single_query((), inputs)  # ([ids, mask, token types, positions], padding) or None
     expected_runs, runs = program_inputs_of(reference.compiled_encoder), program_inputs_of(model.compiled_encoder)
     got, expected = answer(model, inputs), answer(reference, inputs)
     assert same_answers(got, expected), (got, expected)
@@ -225,21 +222,21 @@ def test_anything_touched_sends_single_queries_through_forward(small_packages, e
     reference, model = reference_and_quick(small_packages, encoder_state)
     inputs = dict(input_ids=IDS, attention_mask=ONES)
     answer(model, inputs)
-    assert model.single_query(IDS, ONES, None, None, None, {}) is not None
+    assert model.single_query((IDS, ONES), {}) is not None
     checks = [TOUCHES[touch](m) for m in (reference, model)]
     with torch.no_grad():
         torch.manual_seed(5)  # the same dropout for both where a module trains
         got = model(**inputs)
         torch.manual_seed(5)
         expected = reference(**inputs)
-    assert model.single_query(IDS, ONES, None, None, None, {}) is None
+    assert model.single_query((IDS, ONES), {}) is None
     assert same_answers(output_tensors(got), output_tensors(expected))
     assert checks[1](got) and checks[0](expected)
     if touch == "a hook":  # removed by its check: forward runs the program again
         runs = program_inputs_of(model.compiled_encoder)
         with torch.no_grad():
             model(**inputs)
-        assert len(runs) == 1 and model.single_query(IDS, ONES, None, None, None, {}) is None
+        assert len(runs) == 1 and model.single_query((IDS, ONES), {}) is None
 
 
 def test_a_weight_changed_in_place_is_refused_at_the_next_single_query(small_packages, encoder_state, quick_call):
@@ -299,3 +296,24 @@ def test_the_compiled_model_calls_the_module_it_builds(small_packages, encoder_s
     finally:
         compiled_encoder.CompiledBertImplModel.forward = forward
     assert calls == [] and got["last_hidden_state"].shape == (1, 9, 32)
+
+
+def test_positional_inputs_and_hooks_see_the_call_as_given(small_packages, encoder_state, quick_call):
+    """Inputs given positionally (forward's order) are taken as by keyword; an input given twice, or a sixth positional
+    argument, goes to Module's call, which names the error; a hook on the model sees the call's arguments as given."""
+    reference, model = reference_and_quick(small_packages, encoder_state)
+    answer(model, dict(input_ids=IDS))
+    assert model.single_query((IDS, ONES), {}) is not None
+    assert model.single_query((IDS,), {"attention_mask": ONES}) is not None
+    assert model.single_query((IDS,), {"input_ids": IDS}) is None
+    assert model.single_query((IDS, ONES, None, None, None, None), {}) is None
+    with torch.no_grad():
+        got, expected = model(IDS, ONES), reference(IDS, ONES)
+        assert same_answers(output_tensors(got), output_tensors(expected))
+        for m in (model, reference):
+            with pytest.raises(TypeError, match="multiple values for argument 'input_ids'"):
+                m(IDS, input_ids=IDS)
+        seen = []
+        model.register_forward_pre_hook(lambda m, args, kwargs: seen.append((args, sorted(kwargs))), with_kwargs=True)
+        model(input_ids=IDS, attention_mask=ONES)
+    assert seen == [((), ["attention_mask", "input_ids"])]

@@ -154,23 +154,22 @@ class CompiledBertImplModel(InferenceModule, BertImplModel):
     (`program_inputs`), the model's own forward elsewhere."""
 
     # set by compile_for_inference: compiled_encoder (a CompiledEncoder, None to set it aside), program_tree,
-    # single_query (`single_query`)
-    def __call__(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
-                 *args, **kwargs):
+    # single_query (`add_single_query`)
+    def __call__(self, *args, **kwargs):
         """A single query straight to the program where `single_query` takes it (one look in C++ at the call and at
         everything that could change its answer); every other call through Module's call (the weights' check, hooks,
-        `forward`)."""
+        `forward`), its arguments as given."""
         query, encoder = self.__dict__.get("single_query"), self.compiled_encoder
-        if (query is not None and encoder is not None and not args and not torch.compiler.is_compiling()
+        if (query is not None and encoder is not None and not torch.compiler.is_compiling()
                 and not torch._C._is_tracing() and not torch.is_autocast_enabled("cpu")
-                and (found := query(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs))):
+                and (found := query(args, kwargs))):
             inputs, padding = found  # a query padded to a fixed length: its real tokens, the padding around them
             outputs = encoder.query(inputs)
             if padding is not None:  # (1, n, H) -> (1, T, H), zeros at padding as `one_row` puts them
                 outputs = [torch.constant_pad_nd(outputs[0], (0, 0, *padding)), *outputs[1:]]
             out = model_output(*outputs)
             return out if config_default(kwargs.get("return_dict"), self.config.return_dict) else out.to_tuple()
-        return super().__call__(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, *args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 output_attentions=None, output_hidden_states=None, cu_seq_lens_q=None, seq_idx=None,

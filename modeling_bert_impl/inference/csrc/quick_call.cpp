@@ -11,18 +11,18 @@
 //   same(): True where all of them are as they were taken; False says only "look again" (the Python checks decide).
 //   take(): take them again as they are now. A deep copy is None (what holds it takes its own).
 //
-// SingleQuery(snapshots, by_shape, vocab_size, type_vocab_size, max_length, max_tokens)(input_ids, attention_mask,
-//     token_type_ids, position_ids, inputs_embeds, kwargs) -> ([ids, mask, token types, positions], padding) or None
+// SingleQuery(snapshots, by_shape, vocab_size, type_vocab_size, max_length, max_tokens)(args, kwargs)
+//     -> ([ids, mask, token types, positions], padding) or None, for a model call's args and kwargs
 //   The program's inputs for a call that is a single query: input_ids (1, T) int64 on the CPU, contiguous,
 //   2 <= T <= max_length and T <= max_tokens, each id in [0, vocab_size); attention_mask None or (1, T) of 0s and 1s
 //   (int64, int32, bool or float32, contiguous) whose n >= 2 ones are contiguous (a query padded to a fixed length,
 //   on the right or the left): the inputs are then those n tokens (1, n), their positions kept, and padding (before,
 //   after) the padding's length on each side, to put back around the program's hidden states (None without padding:
-//   the inputs are (1, T)); token_type_ids None or (1, T) int64 in [0, type_vocab_size); no
-//   positions or embeddings; of the other arguments only return_dict (any), output_attentions and output_hidden_states
-//   (None or False), label_checks and pool_with (None); each of the snapshots the same; the shape's constants in `by_shape`
-//   ((1, T) -> (positions, zeros, ones), CompiledEncoder.constants). None for every other call: the model's own
-//   checks (compiled_encoder.py: program_inputs) decide it, which take every call this takes, with the same inputs.
+//   the inputs are (1, T)); token_type_ids None or (1, T) int64 in [0, type_vocab_size); no positions or embeddings;
+//   at most those five positionally (forward's order), and of other keywords only those `call_inputs` lets by; each of
+//   the snapshots the same; the shape's constants in `by_shape` ((1, T) -> (positions, zeros, ones),
+//   CompiledEncoder.constants). None for every other call: the model's own checks (compiled_encoder.py:
+//   program_inputs) decide it, which take every call this takes, with the same inputs.
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -278,14 +278,27 @@ PyObject* tokens(PyObject* object, int64_t start, int64_t count) {
   return THPVariable_Wrap(t.narrow(1, start, count));
 }
 
-bool quiet(PyObject* kwargs) {  // only return_dict, or the others at None / False
-  if (kwargs == nullptr || kwargs == Py_None) return true;
-  if (!PyDict_Check(kwargs)) return false;
+constexpr const char* INPUTS[] = {"input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds"};
+
+// The call's five inputs (`INPUTS`: Py_None where not given), from its positional arguments and keywords; false for a
+// call with more positional arguments, an input given twice, or another keyword than return_dict (any),
+// output_attentions and output_hidden_states (None or False), label_checks and pool_with (None).
+bool call_inputs(PyObject* args, PyObject* kwargs, PyObject* inputs[5]) {
+  Py_ssize_t given = PyTuple_GET_SIZE(args);
+  if (given > 5) return false;
+  for (Py_ssize_t i = 0; i < 5; i++) inputs[i] = i < given ? PyTuple_GET_ITEM(args, i) : Py_None;
   Py_ssize_t pos = 0;
   PyObject *key, *value;
   while (PyDict_Next(kwargs, &pos, &key, &value)) {
     const char* name = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : nullptr;
     if (name == nullptr) return false;
+    int input = -1;
+    for (int i = 0; i < 5; i++) input = std::strcmp(name, INPUTS[i]) == 0 ? i : input;
+    if (input >= 0) {
+      if (input < given) return false;  // given twice: Python's call names the error
+      inputs[input] = value;
+      continue;
+    }
     if (std::strcmp(name, "return_dict") == 0) continue;
     bool off = value == Py_None || value == Py_False;
     bool may_be_false = std::strcmp(name, "output_attentions") == 0 || std::strcmp(name, "output_hidden_states") == 0;
@@ -297,12 +310,15 @@ bool quiet(PyObject* kwargs) {  // only return_dict, or the others at None / Fal
 
 PyObject* query_call(PyObject* object, PyObject* args, PyObject* kwargs_of_call) {
   auto* self = reinterpret_cast<SingleQuery*>(object);
-  PyObject *ids, *mask, *token_types, *positions, *embeds, *kwargs;
-  if (kwargs_of_call != nullptr || !PyArg_UnpackTuple(args, "SingleQuery", 6, 6, &ids, &mask, &token_types,
-                                                       &positions, &embeds, &kwargs))
-    return kwargs_of_call != nullptr ? PyErr_Format(PyExc_TypeError, "SingleQuery takes 6 positional arguments")
+  PyObject *call_args, *call_kwargs, *inputs_given[5];
+  if (kwargs_of_call != nullptr || !PyArg_UnpackTuple(args, "SingleQuery", 2, 2, &call_args, &call_kwargs))
+    return kwargs_of_call != nullptr ? PyErr_Format(PyExc_TypeError, "SingleQuery takes 2 positional arguments")
                                      : nullptr;
-  if (positions != Py_None || embeds != Py_None || !quiet(kwargs)) Py_RETURN_NONE;
+  if (!PyTuple_Check(call_args) || !PyDict_Check(call_kwargs))
+    return PyErr_Format(PyExc_TypeError, "SingleQuery takes a call's (args, kwargs): a tuple and a dict");
+  if (!call_inputs(call_args, call_kwargs, inputs_given)) Py_RETURN_NONE;
+  PyObject *ids = inputs_given[0], *mask = inputs_given[1], *token_types = inputs_given[2];
+  if (inputs_given[3] != Py_None || inputs_given[4] != Py_None) Py_RETURN_NONE;  // positions, embeddings
   int64_t length = row(ids, c10::kLong), start = 0, count = length;
   if (length < 2 || length > self->max_length || length > self->max_tokens) Py_RETURN_NONE;
   if (mask != Py_None && (!mask_run(mask, length, &start, &count) || count < 2)) Py_RETURN_NONE;
