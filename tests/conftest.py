@@ -53,7 +53,8 @@ def _logging_levels_restored():
 
 # pytest -n with --dist loadfile sends each file's tests to one worker (its module fixtures built once); the files
 # named here go with another's, for the session fixtures they both use (the `small_*` packages: 20-45 s a compile).
-SHARED_WORKER = {"tests/test_avx2_gemm.py": "tests/test_compiled.py"}
+SHARED_WORKER = {"tests/test_avx2_gemm.py": "tests/test_compiled.py",
+                 "tests/test_quick_call.py": "tests/test_compiled.py"}
 
 
 @pytest.hookimpl(optionalhook=True)
