@@ -71,6 +71,14 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedWorkerScheduling(config, log)
 
 
+@pytest.fixture(scope="module")
+def encoder_state() -> dict:
+    """helpers.small_model(0)'s state dict: the weights `small_packages` were compiled from."""
+    from helpers import small_model
+
+    return small_model(0).state_dict()
+
+
 @pytest.fixture(scope="session")
 def small_packages(tmp_path_factory) -> dict:
     """Packages that `compile_for_inference` compiled from helpers.small_model(0)'s weights (the SMALL configuration,

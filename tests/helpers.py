@@ -221,3 +221,12 @@ def mixed_batch(vocab: int, lengths: list[int], left: set[int] = frozenset(), se
         if n and vocab > 102:
             ids[b, span.start], ids[b, span.stop - 1] = 101, 102
     return {"input_ids": ids * mask, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+
+
+def program_calls(model) -> list:
+    """The inputs of each run of the compiled program of `model` (a `compile_for_inference` model, or its base model)
+    from now on, as the program gets them: [ids, mask, token types, positions]."""
+    encoder, calls = model.base_model.compiled_encoder, []
+    run = encoder.run
+    encoder.run = lambda args: calls.append(list(args)) or run(args)
+    return calls

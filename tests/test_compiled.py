@@ -36,17 +36,12 @@ from modeling_bert_impl.inference.anatomy import encoder_linears
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import (  # noqa: E402
     BF16_SENTENCE_COSINE, BF16_TOKEN_COSINE, HEADS, LAYOUTS, NAN_TOKEN, SMALL, layout_inputs, needs_tracing,
-    numpy_writes_are_refused, output_tensors, small_ids, small_int8_model, small_lora, small_model,
+    numpy_writes_are_refused, output_tensors, program_calls, small_ids, small_int8_model, small_lora, small_model,
 )
 
 pytestmark = needs_tracing
 
 WITHOUT_POOLER = ("BertImplForMaskedLM", "BertImplForTokenClassification", "BertImplForQuestionAnswering")
-
-
-@pytest.fixture(scope="module")
-def encoder_state():
-    return small_model(0).state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +57,6 @@ def compiled(our_name: str, packages, encoder_state, **config):
     model = getattr(bi, our_name)(bi.BertImplConfig(**{**SMALL, **config}))
     model.base_model.load_state_dict(encoder_state, strict=False)
     return bi.compile_for_inference(model, packages[our_name not in WITHOUT_POOLER])
-
-
-def program_calls(model) -> list:
-    """Counts the compiled program's runs."""
-    encoder, calls = model.base_model.compiled_encoder, []
-    run = encoder.run
-    encoder.run = lambda args: calls.append(1) or run(args)
-    return calls
 
 
 def program_runs(attention_mask: torch.Tensor) -> int:

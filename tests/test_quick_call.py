@@ -16,7 +16,7 @@ import modeling_bert_impl as bi
 from modeling_bert_impl.inference import compiled_encoder, native
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import SMALL, needs_tracing, output_tensors, small_ids  # noqa: E402
+from helpers import SMALL, needs_tracing, output_tensors, program_calls, small_ids  # noqa: E402
 
 pytestmark = needs_tracing
 
@@ -94,20 +94,6 @@ def reference_and_quick(packages, encoder_state):
     return models
 
 
-@pytest.fixture(scope="module")
-def encoder_state():
-    from helpers import small_model
-    return small_model(0).state_dict()
-
-
-def program_inputs_of(encoder) -> list:
-    """The inputs of each run of `encoder`'s program, from now on."""
-    given = []
-    run = encoder.run
-    encoder.run = lambda args: given.append(list(args)) or run(args)
-    return given
-
-
 ONES = torch.ones(1, 9, dtype=torch.long)
 IDS = small_ids(1, seed=21)
 TAKEN = {
@@ -174,7 +160,7 @@ def test_a_single_query_is_taken_only_where_forward_runs_the_program_on_the_same
     for m in (reference, model):
         answer(m, dict(input_ids=IDS))  # the shape's constants made, as a first call makes them
     taken = model.single_query((), inputs)  # ([ids, mask, token types, positions], padding) or None
-    expected_runs, runs = program_inputs_of(reference.compiled_encoder), program_inputs_of(model.compiled_encoder)
+    expected_runs, runs = program_calls(reference), program_calls(model)
     got, expected = answer(model, inputs), answer(reference, inputs)
     assert same_answers(got, expected), (got, expected)
     assert (taken is not None) == (case in TAKEN)
@@ -233,7 +219,7 @@ def test_anything_touched_sends_single_queries_through_forward(small_packages, e
     assert same_answers(output_tensors(got), output_tensors(expected))
     assert checks[1](got) and checks[0](expected)
     if touch == "a hook":  # removed by its check: forward runs the program again
-        runs = program_inputs_of(model.compiled_encoder)
+        runs = program_calls(model)
         with torch.no_grad():
             model(**inputs)
         assert len(runs) == 1 and model.single_query((IDS, ONES), {}) is None
@@ -258,7 +244,7 @@ def test_a_copy_takes_its_own_snapshots(small_packages, encoder_state, quick_cal
     assert copied.single_query is None and copied.program_tree.snapshot is not None
     with torch.no_grad():
         expected = model(**inputs)
-        runs = program_inputs_of(copied.compiled_encoder)  # the program, which the copy shares
+        runs = program_calls(copied)  # the program, which the copy shares
         got = copied(**inputs)
         seen = []
         copied.encoder.layer[0].register_forward_hook(lambda *a: seen.append(1))
@@ -274,7 +260,7 @@ def test_without_the_module_the_checks_stay_in_python(small_packages, encoder_st
     monkeypatch.setattr(native, "quick_call", lambda: None)
     reference, model = reference_and_quick(small_packages, encoder_state)
     assert model.single_query is None and model.program_tree.snapshot is None and model.weights_fixed.snapshot is None
-    runs = program_inputs_of(model.compiled_encoder)
+    runs = program_calls(model)
     got = answer(model, dict(input_ids=IDS))
     monkeypatch.undo()
     assert len(runs) == 1 and same_answers(got, answer(reference, dict(input_ids=IDS)))

@@ -178,9 +178,11 @@ int snapshot_traverse(PyObject* object, visitproc visit, void* arg) {
   return 0;
 }
 
-void snapshot_dealloc(PyObject* object) {
+// tp_dealloc of a garbage-collected type whose references `Clear` drops (its tp_clear).
+template <inquiry Clear>
+void dealloc(PyObject* object) {
   PyObject_GC_UnTrack(object);
-  snapshot_clear(object);
+  Clear(object);
   Py_TYPE(object)->tp_free(object);
 }
 
@@ -365,12 +367,6 @@ int query_traverse(PyObject* object, visitproc visit, void* arg) {
   return 0;
 }
 
-void query_dealloc(PyObject* object) {
-  PyObject_GC_UnTrack(object);
-  query_clear(object);
-  Py_TYPE(object)->tp_free(object);
-}
-
 PyObject* query_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *snapshots, *by_shape;
   long long vocab, types, max_length, max_tokens;
@@ -444,7 +440,7 @@ PyMODINIT_FUNC PyInit_quick_call() {
   SnapshotType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
   SnapshotType.tp_doc = "Snapshot(tensors, dicts): see quick_call.cpp";
   SnapshotType.tp_new = snapshot_new;
-  SnapshotType.tp_dealloc = snapshot_dealloc;
+  SnapshotType.tp_dealloc = dealloc<snapshot_clear>;
   SnapshotType.tp_traverse = snapshot_traverse;
   SnapshotType.tp_clear = snapshot_clear;
   SnapshotType.tp_methods = snapshot_methods;
@@ -453,7 +449,7 @@ PyMODINIT_FUNC PyInit_quick_call() {
   SingleQueryType.tp_doc = "SingleQuery(snapshots, by_shape, vocab_size, type_vocab_size, max_length, max_tokens)";
   SingleQueryType.tp_new = query_new;
   SingleQueryType.tp_call = query_call;
-  SingleQueryType.tp_dealloc = query_dealloc;
+  SingleQueryType.tp_dealloc = dealloc<query_clear>;
   SingleQueryType.tp_traverse = query_traverse;
   SingleQueryType.tp_clear = query_clear;
   SingleQueryType.tp_methods = query_methods;
