@@ -1,10 +1,13 @@
-"""A compiled model's checks in C++ (csrc/quick_call.cpp, built by native.py): `Snapshot` against each write to what it
-watches, and `SingleQuery` taking only calls that the model's own checks (`program_inputs`) take, with the same program
-inputs and answers; anything touched sends single queries through `forward` again, whose checks see it."""
+"""A compiled model's checks and run in C++ (csrc/quick_call.cpp, built by native.py): `Snapshot` against each write to
+what it watches, and `SingleQuery` taking only calls that the model's own checks (`program_inputs`) take, with the same
+program inputs and answers; anything touched sends single queries through `forward` again, whose checks see it;
+`Program` answering as AOTInductor's loader does, letting other Python threads run while it computes."""
 
 import copy
 import gc
 import sys
+import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -303,3 +306,57 @@ def test_positional_inputs_and_hooks_see_the_call_as_given(small_packages, encod
         model.register_forward_pre_hook(lambda m, args, kwargs: seen.append((args, sorted(kwargs))), with_kwargs=True)
         model(input_ids=IDS, attention_mask=ONES)
     assert seen == [((), ["attention_mask", "input_ids"])]
+
+
+def program_inputs_of(B: int, T: int) -> list[torch.Tensor]:
+    """A compiled program's inputs [ids, mask, token types, positions], each (B, T) int64 and contiguous."""
+    ids = torch.randint(1, 99, (B, T), generator=torch.Generator().manual_seed(B * T))
+    return [ids, torch.ones_like(ids), torch.zeros_like(ids), torch.arange(T).repeat(B, 1)]
+
+
+def test_the_program_gives_aotinductors_outputs_and_names_what_does_not_fit(small_packages, quick_call):
+    """`Program` (the compiled model's run: native.program) answers as AOTInductor's own loader does, leaving its
+    inputs' list as given; inputs the program was not compiled for are a RuntimeError with AOTInductor's message, and
+    a list of other things a TypeError naming the item."""
+    path = small_packages[True]
+    program, loader = native.program(path), torch._inductor.aoti_load_package(path).loader
+    assert type(program) is quick_call.Program
+    for B, T in ((1, 2), (3, 9), (8, 64)):
+        inputs = program_inputs_of(B, T)
+        got, expected = program(inputs), loader.boxed_run(list(inputs))
+        assert len(inputs) == 4 and len(got) == len(expected) == 2
+        for a, b in zip(got, expected):
+            assert a.shape == b.shape and torch.equal(a, b)
+    with pytest.raises(RuntimeError):
+        program(program_inputs_of(1, 65))  # past the 64 positions
+    with pytest.raises(TypeError, match=r"inputs\[1\] is not a tensor"):
+        program([torch.ones(1, 2, dtype=torch.long), 1, 2, 3])
+
+
+def test_the_program_lets_other_python_threads_run_while_it_computes(small_packages, quick_call):
+    """With a switch interval far longer than the test, a thread waiting for the GIL runs only where the thread holding
+    it lets it go: it counts while the program runs (torch's own loader holds the GIL for the whole run, and a server's
+    event loop stood still while a batch ran)."""
+    program, inputs = native.program(small_packages[True]), program_inputs_of(8, 64)
+    count, done = [0], [False]
+
+    def other():
+        while not done[0]:
+            count[0] += 1
+            time.sleep(0)  # lets the GIL go
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    thread = threading.Thread(target=other)
+    try:
+        thread.start()
+        time.sleep(0.05)  # the other thread runs, then waits for the GIL
+        before = count[0]
+        for _ in range(20):
+            program(inputs)
+        during = count[0] - before
+    finally:
+        done[0] = True
+        sys.setswitchinterval(interval)
+        thread.join()
+    assert during > 0

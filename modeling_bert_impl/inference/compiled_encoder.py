@@ -118,16 +118,16 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
         package_path = os.fspath(package_path)
         manifest = read_manifest(package_path, FORMAT)  # the file checked as a zip archive: none of its code runs
         check_metadata(manifest, metadata, package_path)
-        runner = load_package(package_path, manifest["kernels"])
+        program = load_package(package_path, manifest["kernels"])
     else:
         if (compiler := missing_compiler()) is not None:
             raise ValueError(f"model: compile_for_inference compiles with a C++ compiler, and {compiler} is not on "
                              f"PATH: {INSTALL_COMPILER}; or give package_path a package compiled for this CPU")
         if package_path is None:
             package_path = os.path.join(tempfile.mkdtemp(prefix="bert_impl_"), "model.pt2")
-        runner = compile_package(frozen_base, os.fspath(package_path), metadata, dtype)
+        program = compile_package(frozen_base, os.fspath(package_path), metadata, dtype)
     frozen_base.__class__ = compiled_class(type(frozen_base))
-    frozen_base.compiled_encoder = CompiledEncoder(runner, frozen_base)
+    frozen_base.compiled_encoder = CompiledEncoder(program, frozen_base)
     fix_weights(frozen, native=True)
     frozen_base.program_tree = ModuleTree(frozen_base, native=True)  # its checks in C++ where it is built
     add_single_query(frozen_base)
@@ -420,8 +420,9 @@ def missing_compiler() -> str | None:
 
 
 def load_package(package_path: str, kernels: bool):
-    """The package's program, loaded (its manifest checked: `read_manifest`). A package compiled with our AVX2 kernels
-    (`kernels`: avx2_gemm.py) needs them loaded first, built here if they are not in inductor's cache."""
+    """The package's program, loaded (`native.program`; its manifest checked: `read_manifest`). A package compiled
+    with our AVX2 kernels (`kernels`: avx2_gemm.py) needs them loaded first, built here if they are not in inductor's
+    cache."""
     if kernels:
         why = avx2_gemm.load() if avx2_gemm.supported() else "this CPU is not AVX2 on Linux x86-64"
         if why is not None:
@@ -432,7 +433,7 @@ def load_package(package_path: str, kernels: bool):
                    if compiler is not None else f"here once and could not be ({why}); compile the model again here")
                 + ". (A package compiled where the CPU has AVX-512 runs oneDNN's products: loading it needs no "
                 "compiler.)")
-    return torch._inductor.aoti_load_package(package_path)
+    return native.program(package_path)
 
 
 def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, str],
@@ -454,7 +455,7 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
                                                            inductor_configs=configs)
     write_manifest(written, {**metadata, "kernels": kernels})
-    return torch._inductor.aoti_load_package(written)
+    return native.program(written)
 
 
 def joint_product(layers: list[nn.Module]) -> nn.Module:
@@ -536,8 +537,8 @@ class CompiledEncoder:
     (`CompiledBertImplModel.program_inputs`). A copy of the model shares it (the weights it was compiled from are
     fixed)."""
 
-    def __init__(self, runner, base: BertImplModel):
-        self.run = runner.loader.boxed_run  # the program itself (AOTICompiledModel.__call__ parses its specs per call)
+    def __init__(self, program, base: BertImplModel):
+        self.run = program  # native.program: a list of input tensors -> the list of outputs
         config = base.config
         self.max_length = config.max_position_embeddings
         self.tables = config.vocab_size, config.type_vocab_size, config.max_position_embeddings  # the ids' bounds

@@ -1,7 +1,7 @@
-"""The engine's C++ pieces (csrc/), built where they are used with the C++ compiler inductor uses, once per source, torch
-release and flags, into inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`): the AVX2 kernels (avx2_gemm.py) and
-what a compiled model's call checks (csrc/quick_call.cpp: `Snapshot`, used by frozen_model.py, and `SingleQuery`, by
-compiled_encoder.py)."""
+"""The engine's C++ pieces (csrc/), built where they are used with the C++ compiler inductor uses, once per source,
+torch release and flags, into inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`): the AVX2 kernels (avx2_gemm.py)
+and what a compiled model's call checks and runs (csrc/quick_call.cpp: `Snapshot`, used by frozen_model.py;
+`SingleQuery` and `Program`, by compiled_encoder.py)."""
 
 import functools
 import hashlib
@@ -74,3 +74,13 @@ def snapshot(tensors: list = (), dicts: list = ()):
     """`quick_call().Snapshot` of these (csrc/quick_call.cpp), or None where the module cannot be built."""
     module = quick_call()
     return None if module is None else module.Snapshot(list(tensors), list(dicts))
+
+
+def program(package_path: str):
+    """An AOTInductor package's program: a callable of a list of input tensors, returning the list of outputs.
+    `quick_call().Program`, which releases the GIL while it runs, or AOTInductor's own loader (which holds it) where the
+    module cannot be built."""
+    module = quick_call()
+    if module is None:
+        return torch._inductor.aoti_load_package(package_path).loader.boxed_run
+    return module.Program(package_path)

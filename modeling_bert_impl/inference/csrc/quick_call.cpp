@@ -1,8 +1,8 @@
-// What a compiled model's call checks before its program runs, in C++ (native.py builds it; compiled_encoder.py and
-// frozen_model.py use it). Right after the program has streamed the weights through the caches, every Python step
-// waits on memory, one miss after another: a single query's checks in Python took longer than ONNX Runtime's whole
-// call adds to its run. Here the loads of different objects do not depend on each other, so the CPU overlaps their
-// misses, and a dict is looked at through its version tag (one load) where CPython keeps one.
+// What a compiled model's call checks before its program runs, and the run, in C++ (native.py builds it;
+// compiled_encoder.py and frozen_model.py use it). Right after the program has streamed the weights through the
+// caches, every Python step waits on memory, one miss after another: a single query's checks in Python took longer
+// than ONNX Runtime's whole call adds to its run. Here the loads of different objects do not depend on each other, so
+// the CPU overlaps their misses, and a dict is looked at through its version tag (one load) where CPython keeps one.
 //
 // Snapshot(tensors, dicts): .same() -> bool, .take()
 //   tensors: each keeps its data pointer and (where it has one) its version counter's value;
@@ -23,11 +23,20 @@
 //   the snapshots the same; the shape's constants in `by_shape` ((1, T) -> (positions, zeros, ones),
 //   CompiledEncoder.constants). None for every other call: the model's own checks (compiled_encoder.py:
 //   program_inputs) decide it, which take every call this takes, with the same inputs.
+//
+// Program(package_path)(inputs) -> outputs
+//   An AOTInductor package's program, as torch._inductor.aoti_load_package loads it, run on a list of tensors with the
+//   GIL released: torch's own binding holds it for the whole run, so a server's event loop (or any other Python
+//   thread) stood still while a batch ran. Calls from several threads take turns (AOTInductor's container runs one
+//   at a time). RuntimeError with AOTInductor's message where the package does not load or the inputs do not fit.
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <string>
 #include <vector>
 
 namespace {
@@ -397,6 +406,68 @@ PyMethodDef query_methods[] = {{"__deepcopy__", none, METH_O, "None: a copy of t
 
 PyTypeObject SingleQueryType = {PyVarObject_HEAD_INIT(nullptr, 0) "quick_call.SingleQuery"};
 
+struct Program {
+  PyObject_HEAD
+  torch::inductor::AOTIModelPackageLoader* loader;
+};
+
+PyObject* program_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  const char* path;
+  static const char* names[] = {"package_path", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s", const_cast<char**>(names), &path)) return nullptr;
+  auto* self = reinterpret_cast<Program*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  try {
+    self->loader = new torch::inductor::AOTIModelPackageLoader(path);
+  } catch (const std::exception& error) {
+    Py_DECREF(self);
+    return PyErr_Format(PyExc_RuntimeError, "%s: %s", path, error.what());
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+PyObject* program_call(PyObject* object, PyObject* args, PyObject* kwargs) {
+  auto* self = reinterpret_cast<Program*>(object);
+  PyObject* given;
+  if (kwargs != nullptr || !PyArg_ParseTuple(args, "O!", &PyList_Type, &given))
+    return kwargs != nullptr ? PyErr_Format(PyExc_TypeError, "Program takes one list of tensors") : nullptr;
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(PyList_GET_SIZE(given));
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(given); i++) {
+    PyObject* item = PyList_GET_ITEM(given, i);
+    if (!THPVariable_Check(item)) return PyErr_Format(PyExc_TypeError, "inputs[%zd] is not a tensor", i);
+    inputs.push_back(THPVariable_Unpack(item));
+  }
+  std::vector<at::Tensor> outputs;
+  std::string error;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    outputs = self->loader->boxed_run(std::move(inputs));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (!error.empty()) return PyErr_Format(PyExc_RuntimeError, "%s", error.c_str());
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(outputs.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < outputs.size(); i++) {
+    PyObject* tensor = THPVariable_Wrap(std::move(outputs[i]));
+    if (tensor == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), tensor);
+  }
+  return out;
+}
+
+void program_dealloc(PyObject* object) {
+  delete reinterpret_cast<Program*>(object)->loader;
+  Py_TYPE(object)->tp_free(object);
+}
+
+PyTypeObject ProgramType = {PyVarObject_HEAD_INIT(nullptr, 0) "quick_call.Program"};
+
 #if PY_VERSION_HEX < 0x030E0000
 // Whether this interpreter's dicts change their version tag on every write: an item set, replaced and deleted, and an
 // object's attribute set through its materialized __dict__ (as a module's are).
@@ -430,7 +501,7 @@ bool versions_change() {
 bool versions_change() { return false; }
 #endif
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "quick_call", "What a compiled model's call checks, in C++.", -1,
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "quick_call", "What a compiled model's call checks and runs, in C++.", -1,
                       nullptr};
 
 }  // namespace
@@ -453,14 +524,21 @@ PyMODINIT_FUNC PyInit_quick_call() {
   SingleQueryType.tp_traverse = query_traverse;
   SingleQueryType.tp_clear = query_clear;
   SingleQueryType.tp_methods = query_methods;
-  if (PyType_Ready(&SnapshotType) < 0 || PyType_Ready(&SingleQueryType) < 0) return nullptr;
+  ProgramType.tp_basicsize = sizeof(Program);
+  ProgramType.tp_flags = Py_TPFLAGS_DEFAULT;
+  ProgramType.tp_doc = "Program(package_path)(inputs): an AOTInductor package's program, run with the GIL released";
+  ProgramType.tp_new = program_new;
+  ProgramType.tp_call = program_call;
+  ProgramType.tp_dealloc = program_dealloc;
+  if (PyType_Ready(&SnapshotType) < 0 || PyType_Ready(&SingleQueryType) < 0 || PyType_Ready(&ProgramType) < 0)
+    return nullptr;
 #if PY_VERSION_HEX < 0x030E0000
   versions = versions_change();
 #endif
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
   if (PyModule_AddObject(m, "versions", PyBool_FromLong(versions)) < 0) return nullptr;
-  for (PyTypeObject* type : {&SnapshotType, &SingleQueryType}) {
+  for (PyTypeObject* type : {&SnapshotType, &SingleQueryType, &ProgramType}) {
     Py_INCREF(type);
     if (PyModule_AddObject(m, type->tp_name + std::strlen("quick_call."), reinterpret_cast<PyObject*>(type)) < 0)
       return nullptr;
