@@ -1,6 +1,9 @@
 """The inference engine's threads: sized from what the process may run at once (its CPU affinity, its cgroup CPU
 quota, v2 and v1, read from files laid out here as the kernel lays them out), never raised, left alone where the user
-chose them, said once in the log (modeling_bert_impl/inference/threads.py)."""
+chose them, said once in the log (modeling_bert_impl/inference/threads.py); a thread's OpenMP threads freed."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,3 +109,39 @@ def test_single_queries_take_one_thread_while_the_cores_are_contended(torch_thre
     assert [call(1.0) for _ in range(3)] == [2, 2, 2]  # the spell ended
     torch.set_num_threads(1)
     assert [call(5.0) for _ in range(4)] == [1, 1, 1, 1]
+
+
+FREE_POOL = """
+import os, threading, time, torch
+from modeling_bert_impl.inference import free_thread_pool
+torch.set_num_threads(2)
+x = torch.randn(512, 512)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+def settled(count):  # a pool's threads end a moment after they are told to
+    deadline = time.monotonic() + 10
+    while threads() != count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+alone = threads()
+expected = x @ x  # a parallel region: this thread's pool starts
+with_pool = threads()
+freed = free_thread_pool()
+after = settled(alone)
+again = x @ x  # the next region makes a new pool
+print(alone, with_pool, freed, after, threads(), torch.equal(again, expected))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="counts a process's threads in /proc")
+def test_free_thread_pool_ends_this_threads_openmp_threads():
+    """In a process of its own: a parallel region starts the calling thread's OpenMP threads; `free_thread_pool` ends
+    them (libgomp, torch's OpenMP on Linux), and the next region starts them again with the same answer."""
+    done = subprocess.run([sys.executable, "-c", FREE_POOL], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    alone, with_pool, freed, after, again, same = done.stdout.split()
+    if freed == "False":
+        assert "libgomp" not in open("/proc/self/maps").read(), "libgomp is loaded here, and was not freed"
+        pytest.skip("no libgomp in this process (torch's OpenMP is another runtime here)")
+    assert int(with_pool) > int(alone) and int(after) == int(alone) and int(again) == int(with_pool)
+    assert same == "True"

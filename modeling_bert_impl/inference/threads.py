@@ -19,6 +19,7 @@ quiet or not (benchmarks/NOTES.md, "Single queries beside a busy core"). `QueryT
 the calls' own times and runs single queries on one thread while the cores are contended.
 """
 
+import ctypes
 import math
 import os
 import time
@@ -99,6 +100,29 @@ def size_threads(engine: str) -> None:
         logger.warning_once(
             f"{engine}: torch had {threads} threads, and this process may run {usable} at once (its CPU affinity and "
             f"cgroup CPU quota): set to {usable}. Set OMP_NUM_THREADS before starting Python to choose them yourself")
+
+
+def free_thread_pool() -> bool:
+    """Free the calling thread's OpenMP threads, for a process whose models compute on another thread from now on (a
+    server's model worker): call it on the thread that loaded the model. libgomp (torch's OpenMP on Linux) keeps each
+    thread's pool of threads until that thread ends, and while it manages more threads than there are CPUs, its idle
+    threads spin about 1,000 times after each parallel region instead of about 300,000, and then sleep: every region
+    then waits for a thread to wake, and the model worker's batches take up to 1.7x their time. True where freed (with
+    libgomp's `omp_pause_resource_all`: the next parallel region on this thread makes a new pool); False where no
+    libgomp is loaded (other OpenMP runtimes decide how long to spin by other rules)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libgomp" in line}
+    except OSError:
+        return False
+    freed = False
+    for path in sorted(paths):
+        pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        freed = (pause is not None and pause(OMP_PAUSE_HARD) == 0) or freed
+    return freed
+
+
+OMP_PAUSE_HARD = 2  # OpenMP 5.0's omp_pause_hard
 
 
 class QueryThreads:

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from ..inference import free_thread_pool
 from .batching import Batcher
 from .engine import Encoding, Engine, normalize
 
@@ -150,6 +151,7 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app):
+        free_thread_pool()  # the model computes on the worker from now on; this thread (which loaded it) holds a pool
         batcher.start()
         yield
         await run_in_threadpool(batcher.stop)
