@@ -361,6 +361,37 @@ def test_a_failing_batch_fails_its_own_requests_and_the_server_goes_on(embedder)
         server.stop()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compile_compiles_the_model_in_the_dtype_chosen(tmp_path, minilm_dir, monkeypatch, dtype):
+    """`--compile` hands compile_for_inference the model as loaded and the dtype (bfloat16 too: the program's products
+    in bfloat16); with `--int8`, the quantized model. compile_for_inference itself is recorded here, not run (its own
+    tests compile)."""
+    from modeling_bert_impl.server import engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(engine_module, "compile_for_inference",
+                        lambda model, **kwargs: calls.append((type(model).__name__, kwargs)) or model)
+    folder = tiny_embedder(tmp_path, minilm_dir)
+    engine = Engine(folder, EngineChoice(dtype=dtype, compile=True, device="cpu"))
+    assert calls == [("BertImplModel", {"dtype": getattr(torch, dtype)})]
+    assert (engine.dtype, engine.engine) == (dtype, "compile_for_inference")
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("\n".join(TEXTS) + "\n")
+    engine = Engine(folder, EngineChoice(int8_calibration=str(calibration), compile=True, device="cpu"))
+    assert calls[1][1] == {} and engine.dtype == "int8"
+    assert engine.engine == "compile_for_inference of quantize_for_inference (int8)"
+
+
+def tiny_embedder(folder, minilm_dir) -> str:
+    """A random 2-layer encoder with MiniLM's tokenizer, saved in `folder`."""
+    torch.manual_seed(0)
+    config = bi.BertImplConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=37)
+    bi.BertImplModel(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(folder)
+    return str(folder)
+
+
 def test_batcher_keeps_to_its_token_and_input_limits():
     done = []
     batcher = Batcher(lambda encodings: (done.append([len(e.ids) for e in encodings]),

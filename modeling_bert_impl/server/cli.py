@@ -26,7 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the products' dtype (default: bfloat16 where the CPU has bfloat16 units, else float32)")
     parser.add_argument("--int8", action="store_true", help="quantize_for_inference, calibrated on --calibration")
     parser.add_argument("--calibration", help="with --int8: a text file, one text a line, like those to be served")
-    parser.add_argument("--compile", action="store_true", help="compile_for_inference (float32 or int8)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile_for_inference (in --dtype, or of the --int8 model); compiles for a minute or so "
+                             "at start")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda where there is one)")
     parser.add_argument("--pooling", choices=list(POOLINGS), default=None,
                         help="an embedding model's pooling (default: its sentence-transformers config's, else cls)")

@@ -36,7 +36,7 @@ class EngineChoice:
 
     dtype: str | None = None  # "float32" or "bfloat16"; None: bfloat16 where the CPU has the units (and no int8)
     int8_calibration: str | None = None  # a text file, one calibration text a line: quantize_for_inference
-    compile: bool = False  # compile_for_inference (float32 or int8)
+    compile: bool = False  # compile_for_inference (in the dtype, or of the int8 model)
     device: str | None = None  # None: CUDA where there is one, else the CPU
 
 
@@ -67,13 +67,14 @@ class Engine:
 
     def build(self, model, choice: EngineChoice):
         """The inference model the choice asks for, and its dtype's name and the engine's, for the log and /info."""
-        dtype = choice.dtype or ("bfloat16" if cpu_bf16_units() and self.device.type == "cpu" and not (
-            choice.int8_calibration or choice.compile) else "float32")
+        dtype = choice.dtype or ("bfloat16" if cpu_bf16_units() and self.device.type == "cpu"
+                                 and not choice.int8_calibration else "float32")
         if self.device.type != "cpu":
             self.model = model.to(self.device, DTYPES[dtype])
             return dtype, f"the model on {self.device}"
-        if choice.compile and dtype != "float32":
-            raise ValueError("--compile compiles float32 and int8 programs; leave out --dtype bfloat16")
+        if choice.compile and not choice.int8_calibration:
+            self.model = compile_for_inference(model, dtype=DTYPES[dtype])
+            return dtype, "compile_for_inference"
         if choice.int8_calibration:
             with open(choice.int8_calibration, encoding="utf-8") as f:
                 texts = [line.strip() for line in f if line.strip()]
@@ -85,7 +86,7 @@ class Engine:
             dtype = "int8"
         else:
             model, engine = optimize_for_inference(model, DTYPES[dtype]), "optimize_for_inference"
-        if choice.compile:
+        if choice.compile:  # int8
             model, engine = compile_for_inference(model), f"compile_for_inference of {engine}"
         self.model = model
         return dtype, engine
