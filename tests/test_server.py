@@ -392,6 +392,30 @@ def tiny_embedder(folder, minilm_dir) -> str:
     return str(folder)
 
 
+def test_encode_gives_the_tokenizers_ids_and_types(embedder):
+    """The engine's tokenizing (the fast tokenizer's Rust tokenizer, set up once per max_length) gives what the
+    tokenizer's own call gives: texts, pairs and both in one request, cut or not, from several threads at once."""
+    long = "word " * 300
+    requests = [["hello world", "The cat sat on the mat.", long], [("a question?", "some passage " * 200), ("q", "p")],
+                ["x", ("a", "b")], ["  spaced   text\twith tabs", "ÜNÏCÖDÉ ñ 東京"]]
+    tokenizer = embedder.tokenizer
+
+    def expected(texts, max_length):
+        out = []
+        for t in texts:
+            first, second = ([t], None) if isinstance(t, str) else ([t[0]], [t[1]])
+            given = tokenizer(first, second, truncation=max_length is not None, max_length=max_length,
+                              return_token_type_ids=True)
+            out.append(Encoding(given["input_ids"][0], given["token_type_ids"][0]))
+        return out
+
+    calls = [(texts, max_length) for texts in requests for max_length in (None, 64, 512)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda call: embedder.encode(*call), calls * 4))
+    assert got == [expected(*call) for call in calls] * 4
+    assert max(len(e.ids) for e in embedder.encode([long])) > 300  # uncut where no max_length is given
+
+
 def test_batcher_keeps_to_its_token_and_input_limits():
     done = []
     batcher = Batcher(lambda encodings: (done.append([len(e.ids) for e in encodings]),

@@ -60,6 +60,7 @@ class Engine:
         if pooling is not None:
             self.pooling = pooling
         self.tokenizer = AutoTokenizer.from_pretrained(model_id)
+        self.backends = {}  # max_length -> `fixed_backend`
         self.max_input_length = min(self.tokenizer.model_max_length, model.config.max_position_embeddings
                                     - model.base_model.embeddings.position_offset)
         self.device = torch.device(choice.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -93,7 +94,15 @@ class Engine:
 
     def encode(self, texts: list, max_length: int | None = None) -> list[Encoding]:
         """Token ids of each text (or (text, text) pair), cut to `max_length` tokens where it is given; uncut else
-        (the caller refuses what is too long)."""
+        (the caller refuses what is too long). Safe to call from several threads at once: a fast tokenizer's Rust
+        tokenizer is called directly, set up once per `max_length` (`fixed_backend`), where the tokenizer's own call
+        sets up the one Rust tokenizer before each call, which another thread may be using ("Already borrowed")."""
+        backend = self.backends.get(max_length)
+        if backend is None and getattr(self.tokenizer, "backend_tokenizer", None) is not None:
+            backend = self.backends[max_length] = fixed_backend(self.tokenizer, max_length)
+        if backend is not None:
+            return [Encoding(e.ids, e.type_ids) for e in backend.encode_batch([t if isinstance(t, str) else tuple(t)
+                                                                               for t in texts])]
         pairs = [not isinstance(t, str) for t in texts]
         if any(pairs) and not all(pairs):  # texts and pairs in one request: each kind in its own call
             return [self.encode([t], max_length)[0] for t in texts]
@@ -139,6 +148,22 @@ class Engine:
             model_type = {self.kind: {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}}
         return {"model_id": self.model_id, "model_dtype": self.dtype, "model_type": model_type, "engine": self.engine,
                 "device": str(self.device), "threads": torch.get_num_threads()}
+
+
+def fixed_backend(tokenizer, max_length: int | None):
+    """A copy of a fast tokenizer's Rust tokenizer set up once as `tokenizer(texts, truncation=max_length is not None,
+    max_length=max_length)` sets up its own before each call: no padding, truncation (longest first, on the
+    tokenizer's side) at `max_length` or none. A copy per setting, so that threads tokenizing at once never change a
+    tokenizer another one is using."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_padding()
+    if max_length is None:
+        backend.no_truncation()
+    else:
+        backend.enable_truncation(max_length, strategy="longest_first", direction=tokenizer.truncation_side)
+    return backend
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
