@@ -5,16 +5,19 @@
 Every route answers its errors in its API's shape: TEI's `{"error", "error_type"}`, OpenAI's `{"error": {"message",
 "type", "param", "code"}}`; 422 for a malformed body (the field named), 413 for too many inputs or too long an input
 (the limit named), 429 with Retry-After when the queue is full, 401 without the API key where one is set, 500 for a
-batch that failed (the server goes on). Tokenizing runs in a thread pool, never on the event loop.
+batch that failed (the server goes on). Tokenizing runs in a thread pool, never on the event loop, and queues the request
+for the model from there.
 """
 
 import asyncio
 import base64
 import time
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -166,11 +169,17 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
             raise RouteError(413, f"batch size {len(inputs)} > maximum allowed batch size "
                                   f"{limits.max_client_batch_size} (--max-client-batch-size)", param=param)
 
-    async def encode(texts: list, truncate: bool) -> list[Encoding]:
-        """Token ids of the texts, in the thread pool; 413 for too many, or for one too long without `truncate`."""
+    async def text_rows(texts: list, truncate: bool) -> tuple[list[Encoding], torch.Tensor]:
+        """The texts' token ids and the model's output rows for them: tokenized and queued in the thread pool, where
+        the model worker takes them from without another turn of the event loop; 413 for too many texts, or for one
+        too long without `truncate`."""
         check_count(texts)
-        encodings = await run_in_threadpool(engine.encode, texts, max_input_length if truncate else None)
-        return [check_length(e, i) for i, e in enumerate(encodings)]
+        encodings, future = await run_in_threadpool(tokenize_and_queue, texts, truncate)
+        return encodings, await rows_of(future)
+
+    def tokenize_and_queue(texts: list, truncate: bool) -> tuple[list[Encoding], Future]:
+        encodings = engine.encode(texts, max_input_length if truncate else None)
+        return encodings, queue([check_length(e, i) for i, e in enumerate(encodings)])
 
     def check_length(encoding, index: int):
         if len(encoding.ids) > max_input_length:
@@ -179,12 +188,15 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
                              param="inputs")
         return encoding
 
-    async def model_rows(encodings: list):
-        """The model's output rows for these inputs, through the queue: 429 when it is full."""
+    def queue(encodings: list) -> Future:
+        """The future of these inputs' rows, queued for the model: 429 when the queue is full."""
         future = batcher.submit(encodings)
         if future is None:
             raise RouteError(429, f"the server is at its {limits.max_concurrent_requests} waiting requests "
                                   "(--max-concurrent-requests); retry later", "Overloaded")
+        return future
+
+    async def rows_of(future: Future) -> torch.Tensor:
         try:
             return await asyncio.wrap_future(future)
         except Exception as error:
@@ -217,7 +229,7 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
     async def embed(body: Embed):
         needs(("embedding",), "/embed")
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        rows = await model_rows(await encode(texts, body.truncate))
+        _, rows = await text_rows(texts, body.truncate)
         return JSONResponse((normalize(rows) if body.normalize else rows).tolist())
 
     @app.post("/predict")
@@ -237,7 +249,7 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
                 raise RouteError(422, "inputs: each input is a text, or a list of one or two texts (a pair)",
                                  param="inputs")
             texts = [t if isinstance(t, str) else t[0] if len(t) == 1 else tuple(t) for t in inputs]
-        rows = await model_rows(await encode(texts, body.truncate))
+        _, rows = await text_rows(texts, body.truncate)
         scores = engine.scores(rows.view(len(texts), -1), body.raw_scores)
         labels = engine.config.id2label
         answers = [sorted(({"score": s, "label": labels[i]} for i, s in enumerate(row.tolist())),
@@ -247,7 +259,7 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
     @app.post("/rerank")
     async def rerank(body: Rerank):
         needs(("reranker",), "/rerank")
-        rows = await model_rows(await encode([(body.query, text) for text in body.texts], body.truncate))
+        _, rows = await text_rows([(body.query, text) for text in body.texts], body.truncate)
         scores = rows if body.raw_scores else rows.sigmoid()
         ranked = sorted(range(len(body.texts)), key=lambda i: -scores[i].item())
         return JSONResponse([{"index": i, "score": scores[i].item(), **({"text": body.texts[i]} if body.return_text
@@ -273,11 +285,12 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         given = [body.input] if isinstance(body.input, str) or (body.input and isinstance(body.input[0], int)) \
             else body.input
         if given and isinstance(given[0], str):
-            encodings = await encode(given, truncate=False)
+            encodings, rows = await text_rows(given, truncate=False)
         else:  # token ids, as OpenAI's clients send them for some models
             check_count(given, "input")
             encodings = [check_length(token_ids(ids), i) for i, ids in enumerate(given)]
-        rows = normalize(await model_rows(encodings))
+            rows = await rows_of(queue(encodings))
+        rows = normalize(rows)
         data = [{"object": "embedding", "index": i,
                  "embedding": row.tolist() if body.encoding_format == "float" else
                  base64.b64encode(row.numpy().astype(np.float32).tobytes()).decode()} for i, row in enumerate(rows)]
