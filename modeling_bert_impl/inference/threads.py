@@ -107,9 +107,10 @@ def free_thread_pool() -> bool:
     server's model worker): call it on the thread that loaded the model. libgomp (torch's OpenMP on Linux) keeps each
     thread's pool of threads until that thread ends, and while it manages more threads than there are CPUs, its idle
     threads spin about 1,000 times after each parallel region instead of about 300,000, and then sleep: every region
-    then waits for a thread to wake, and the model worker's batches take up to 1.7x their time. True where freed (with
-    libgomp's `omp_pause_resource_all`: the next parallel region on this thread makes a new pool); False where no
-    libgomp is loaded (other OpenMP runtimes decide how long to spin by other rules)."""
+    then waits for a thread to wake, and the model worker's batches run at about one thread's speed
+    (benchmarks/NOTES.md, "The server's model worker"). True where freed (with libgomp's `omp_pause_resource_all`: the
+    next parallel region on this thread makes a new pool); False where no libgomp is loaded (other OpenMP runtimes
+    decide how long to spin by other rules)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "/libgomp" in line}
