@@ -5,8 +5,10 @@
 
 Servers (each a process of its own on 127.0.0.1, started, warmed up, measured, stopped):
 - bert-impl: `bert-impl-serve` as a user starts it (its default engine: bfloat16 where the CPU has bfloat16 units,
-  else float32), and `bert-impl fp32` (`--dtype float32`);
-- infinity-torch (float32) and, where the CPU has bfloat16 units, infinity-torch-bf16: Infinity's torch engine;
+  else float32), `bert-impl fp32` (`--dtype float32`) and `bert-impl int8` (`--int8 --compile`, calibrated on 256
+  sentences of the corpus's kind drawn with another seed);
+- infinity-torch (float32), infinity-torch-int8 (torch's `quantize_dynamic`) and, where the CPU has bfloat16 units,
+  infinity-torch-bf16: Infinity's torch engine;
   infinity-onnx: its ONNX Runtime engine (optimum) on a folder with the model's `model.onnx`, mean pooling. Infinity
   pins an older transformers, so `--infinity-venv` (default /tmp/bench-infinity-venv) gets its own virtual
   environment, made by this script where it is missing (infinity-emb with its torch and optimum extras, the CPU torch
@@ -130,13 +132,19 @@ def commands(args, port: int, workdir: str) -> dict:
     model = minilm_dir()
     bin_dir = os.path.dirname(sys.executable)
     serve = [os.path.join(bin_dir, "bert-impl-serve"), model, "--port", str(port), *args.serve_args.split()]
+    calibration = os.path.join(workdir, "calibration.txt")  # texts like those served, not the ones measured
+    with open(calibration, "w") as f:
+        f.write("\n".join(corpus(transformers.AutoTokenizer.from_pretrained(model), count=256, seed=1)) + "\n")
     out = {"bert-impl": (serve, "/v1/embeddings", None),
-           "bert-impl fp32": (serve + ["--dtype", "float32"], "/v1/embeddings", None)}
+           "bert-impl fp32": (serve + ["--dtype", "float32"], "/v1/embeddings", None),
+           "bert-impl int8": (serve + ["--int8", "--calibration", calibration, "--compile"], "/v1/embeddings", None)}
     if any(name.startswith("infinity") for name in args.servers):
         python = infinity_python(args.infinity_venv)
         infinity = [os.path.join(os.path.dirname(python), "infinity_emb"), "v2", "--host", "127.0.0.1", "--port",
                     str(port), "--device", "cpu", "--no-model-warmup"]
         out["infinity-torch"] = (infinity + ["--model-id", model, "--engine", "torch"], "/embeddings", None)
+        out["infinity-torch-int8"] = (infinity + ["--model-id", model, "--engine", "torch", "--dtype", "int8"],
+                                      "/embeddings", None)
         if cpu_bf16_units():
             out["infinity-torch-bf16"] = (infinity + ["--model-id", model, "--engine", "torch", "--dtype",
                                                       "bfloat16"], "/embeddings", None)
@@ -309,8 +317,9 @@ def overload(sentences: list[str], seconds: float, clients: int = 64):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["servers", "overhead", "overload"], default="servers")
-    parser.add_argument("--servers", nargs="+", default=["bert-impl", "bert-impl fp32", "infinity-torch",
-                                                         "infinity-torch-bf16", "infinity-onnx", "st-fastapi"])
+    parser.add_argument("--servers", nargs="+", default=["bert-impl", "bert-impl fp32", "bert-impl int8",
+                                                         "infinity-torch", "infinity-torch-bf16", "infinity-torch-int8",
+                                                         "infinity-onnx", "st-fastapi"])
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 4, 16, 64])
     parser.add_argument("--workloads", nargs="+", default=["single", "multi"], choices=["single", "multi"])
     parser.add_argument("--seconds", type=float, default=15.0)
