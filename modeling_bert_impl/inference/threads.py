@@ -110,7 +110,8 @@ def free_thread_pool() -> bool:
     then waits for a thread to wake, and the model worker's batches run at about one thread's speed
     (benchmarks/NOTES.md, "The server's model worker"). True where freed (with libgomp's `omp_pause_resource_all`: the
     next parallel region on this thread makes a new pool); False where no libgomp is loaded (other OpenMP runtimes
-    decide how long to spin by other rules)."""
+    decide how long to spin by other rules) or only one older than OpenMP 5.0's pause (GCC 9: torch 2.6 bundles an
+    older one)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "/libgomp" in line}
