@@ -133,8 +133,9 @@ def commands(args, port: int, workdir: str) -> dict:
     bin_dir = os.path.dirname(sys.executable)
     serve = [os.path.join(bin_dir, "bert-impl-serve"), model, "--port", str(port), *args.serve_args.split()]
     calibration = os.path.join(workdir, "calibration.txt")  # texts like those served, not the ones measured
-    with open(calibration, "w") as f:
-        f.write("\n".join(corpus(transformers.AutoTokenizer.from_pretrained(model), count=256, seed=1)) + "\n")
+    if "bert-impl int8" in args.servers:
+        with open(calibration, "w") as f:
+            f.write("\n".join(corpus(transformers.AutoTokenizer.from_pretrained(model), count=256, seed=1)) + "\n")
     out = {"bert-impl": (serve, "/v1/embeddings", None),
            "bert-impl fp32": (serve + ["--dtype", "float32"], "/v1/embeddings", None),
            "bert-impl int8": (serve + ["--int8", "--calibration", calibration, "--compile"], "/v1/embeddings", None)}

@@ -95,17 +95,23 @@ def served(embedder):
     server.stop()
 
 
+def small_folder(folder, minilm_dir, model_class, seed: int, **config):
+    """A random small `model_class` (2 layers of 32) with MiniLM's tokenizer, saved in `folder`; the model."""
+    torch.manual_seed(seed)
+    config = bi.BertImplConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=37, **config)
+    model = model_class(config).eval()
+    model.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(folder)
+    return model
+
+
 def served_head(tmp_path_factory, minilm_dir, num_labels: int):
     """A server of a random small sequence classifier (a cross-encoder with one label) with MiniLM's tokenizer, saved
     to a folder; the server, the model and the tokenizer, for a module's tests."""
-    torch.manual_seed(num_labels)
-    config = bi.BertImplConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               intermediate_size=37, num_labels=num_labels,
-                               id2label={i: f"label_{i}" for i in range(num_labels)})
-    model = bi.BertImplForSequenceClassification(config).eval()
     folder = tmp_path_factory.mktemp(f"head{num_labels}")
-    model.save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(folder)
+    model = small_folder(folder, minilm_dir, bi.BertImplForSequenceClassification, num_labels, num_labels=num_labels,
+                         id2label={i: f"label_{i}" for i in range(num_labels)})
     server = Server(Engine(str(folder), FLOAT32))
     yield server, model, transformers.AutoTokenizer.from_pretrained(folder)
     server.stop()
@@ -371,7 +377,8 @@ def test_compile_compiles_the_model_in_the_dtype_chosen(tmp_path, minilm_dir, mo
     calls = []
     monkeypatch.setattr(engine_module, "compile_for_inference",
                         lambda model, **kwargs: calls.append((type(model).__name__, kwargs)) or model)
-    folder = tiny_embedder(tmp_path, minilm_dir)
+    small_folder(tmp_path, minilm_dir, bi.BertImplModel, seed=0)
+    folder = str(tmp_path)
     engine = Engine(folder, EngineChoice(dtype=dtype, compile=True, device="cpu"))
     assert calls == [("BertImplModel", {"dtype": getattr(torch, dtype)})]
     assert (engine.dtype, engine.engine) == (dtype, "compile_for_inference")
@@ -380,16 +387,6 @@ def test_compile_compiles_the_model_in_the_dtype_chosen(tmp_path, minilm_dir, mo
     engine = Engine(folder, EngineChoice(int8_calibration=str(calibration), compile=True, device="cpu"))
     assert calls[1][1] == {} and engine.dtype == "int8"
     assert engine.engine == "compile_for_inference of quantize_for_inference (int8)"
-
-
-def tiny_embedder(folder, minilm_dir) -> str:
-    """A random 2-layer encoder with MiniLM's tokenizer, saved in `folder`."""
-    torch.manual_seed(0)
-    config = bi.BertImplConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               intermediate_size=37)
-    bi.BertImplModel(config).save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(minilm_dir).save_pretrained(folder)
-    return str(folder)
 
 
 def test_encode_gives_the_tokenizers_ids_and_types(embedder):

@@ -112,7 +112,7 @@ def test_single_queries_take_one_thread_while_the_cores_are_contended(torch_thre
 
 
 FREE_POOL = """
-import os, threading, time, torch
+import os, time, torch
 from modeling_bert_impl.inference import free_thread_pool
 torch.set_num_threads(2)
 x = torch.randn(512, 512)

@@ -102,6 +102,9 @@ def size_threads(engine: str) -> None:
             f"cgroup CPU quota): set to {usable}. Set OMP_NUM_THREADS before starting Python to choose them yourself")
 
 
+OMP_PAUSE_HARD = 2  # OpenMP 5.0's omp_pause_hard
+
+
 def free_thread_pool() -> bool:
     """Free the calling thread's OpenMP threads, for a process whose models compute on another thread from now on (a
     server's model worker): call it on the thread that loaded the model. libgomp (torch's OpenMP on Linux) keeps each
@@ -122,9 +125,6 @@ def free_thread_pool() -> bool:
         pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
         freed = (pause is not None and pause(OMP_PAUSE_HARD) == 0) or freed
     return freed
-
-
-OMP_PAUSE_HARD = 2  # OpenMP 5.0's omp_pause_hard
 
 
 class QueryThreads:

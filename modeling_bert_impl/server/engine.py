@@ -73,9 +73,6 @@ class Engine:
         if self.device.type != "cpu":
             self.model = model.to(self.device, DTYPES[dtype])
             return dtype, f"the model on {self.device}"
-        if choice.compile and not choice.int8_calibration:
-            self.model = compile_for_inference(model, dtype=DTYPES[dtype])
-            return dtype, "compile_for_inference"
         if choice.int8_calibration:
             with open(choice.int8_calibration, encoding="utf-8") as f:
                 texts = [line.strip() for line in f if line.strip()]
@@ -83,12 +80,13 @@ class Engine:
                 raise ValueError(f"--calibration {choice.int8_calibration}: no text in it (one text a line)")
             batches = [self.tokenizer(texts[i:i + 16], padding=True, truncation=True, return_tensors="pt")
                        for i in range(0, len(texts), 16)]
-            model, engine = quantize_for_inference(model, batches), "quantize_for_inference (int8)"
-            dtype = "int8"
+            model, engine, dtype = quantize_for_inference(model, batches), "quantize_for_inference (int8)", "int8"
+            if choice.compile:
+                model, engine = compile_for_inference(model), f"compile_for_inference of {engine}"
+        elif choice.compile:
+            model, engine = compile_for_inference(model, dtype=DTYPES[dtype]), "compile_for_inference"
         else:
             model, engine = optimize_for_inference(model, DTYPES[dtype]), "optimize_for_inference"
-        if choice.compile:  # int8
-            model, engine = compile_for_inference(model), f"compile_for_inference of {engine}"
         self.model = model
         return dtype, engine
 
