@@ -140,7 +140,8 @@ def test_embed_gives_sentence_transformers_embeddings(served, embedder, minilm_d
     expected = sentence_transformers_embeddings(minilm_dir, TEXTS)
     assert np.abs(np.array(got) - expected).max() < 1e-5
     direct = embedder.run(embedder.encode(TEXTS))
-    assert np.abs(np.array(served.post("/embed", {"inputs": TEXTS, "normalize": False})[1]) - direct.numpy()).max() < 1e-5
+    unnormalized = served.post("/embed", {"inputs": TEXTS, "normalize": False})[1]
+    assert np.array_equal(np.array(unnormalized, dtype=np.float32), direct.numpy())  # float32's every bit, in JSON
     status, one, _ = served.post("/embed", {"inputs": TEXTS[0]})
     assert status == 200 and np.abs(np.array(one) - expected[:1]).max() < 1e-5
     assert embedder.pooling == "mean" and embedder.normalized
@@ -226,6 +227,12 @@ def test_tokenize_and_info(served, minilm_dir):
     assert [(t["start"], t["stop"]) for t in tokens[0] if not t["special"]] == [tuple(o) for o in offsets]
     assert [t["text"] for t in tokens[0]] == tokenizer.convert_ids_to_tokens(tokenizer(TEXTS[0])["input_ids"])
     assert [t["special"] for t in tokens[0]] == [True] + [False] * len(offsets) + [True]
+    texts = [f"{text} number {i}" for i in range(16) for text in TEXTS[:2]]
+    with ThreadPoolExecutor(8) as pool:  # at once: each answer its own texts' tokens
+        answers = list(pool.map(lambda t: served.post("/tokenize", {"inputs": t, "add_special_tokens": False}),
+                                [texts[i:i + 2] for i in range(0, len(texts), 2)]))
+    assert [[t["id"] for t in tokens] for _, got, _ in answers for tokens in got] == tokenizer(
+        texts, add_special_tokens=False)["input_ids"]
     status, info, _ = served.get("/info")
     assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["model_dtype"] == "float32"
     assert info["max_input_length"] == 64 and info["max_client_batch_size"] == 8
@@ -431,6 +438,29 @@ def test_metrics_count_batches_and_requests(served):
     for name in ("bert_impl_queue_size", "bert_impl_batch_size_bucket", "bert_impl_batch_tokens_bucket",
                  'bert_impl_request_duration_seconds_bucket{le="0.005",route="/embed"}', "bert_impl_requests_total"):
         assert name in metrics
+    assert served.get("/no/such/route-7")[0] == 404
+    metrics = served.get("/metrics")[1]  # a path a client makes up is counted as "other", not a label of its own
+    assert 'bert_impl_requests_total{route="other",status="404"}' in metrics and "route-7" not in metrics
+
+
+def test_batcher_drops_the_jobs_of_cancelled_requests():
+    done = []
+
+    def batcher():
+        return Batcher(lambda encodings: (done.append(len(encodings)), torch.arange(len(encodings)))[1],
+                       max_batch_tokens=100, max_batch_requests=None, max_concurrent_requests=100)
+
+    some, only = batcher(), batcher()
+    jobs = [some.submit([Encoding([1, 2], [0, 0])]) for _ in range(4)]
+    gone = [only.submit([Encoding([1], [0])]) for _ in range(2)]
+    assert all(job.cancel() for job in [jobs[0], jobs[2], jobs[3], *gone])  # requests gone before the worker began
+    some.start()
+    only.start()
+    assert jobs[1].result(timeout=30).tolist() == [0] and done == [1]
+    assert only.submit([Encoding([1], [0])]).result(timeout=30).tolist() == [0]  # its worker waited on
+    some.stop()
+    only.stop()
+    assert done == [1, 1] and not jobs[1].cancel()  # a job taken can no longer be cancelled
 
 
 @pytest.mark.slow

@@ -5,31 +5,33 @@
 Every route answers its errors in its API's shape: TEI's `{"error", "error_type"}`, OpenAI's `{"error": {"message",
 "type", "param", "code"}}`; 422 for a malformed body (the field named), 413 for too many inputs or too long an input
 (the limit named), 429 with Retry-After when the queue is full, 401 without the API key where one is set, 500 for a
-batch that failed (the server goes on). Tokenizing runs in a thread pool, never on the event loop, and queues the request
-for the model from there.
+batch that failed (the server goes on). Tokenizing runs in a thread pool of the app's own, never on the event loop, and
+queues the request for the model from there; the event loop wakes once more for the request, when its rows are ready.
+JSON is written by orjson, the embeddings straight from their float32 arrays (each number as float32's shortest
+repr, as text-embeddings-inference writes them).
 """
 
 import asyncio
 import base64
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import numpy as np
+import orjson
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
 
 from ..inference import free_thread_pool
 from .batching import Batcher
 from .engine import Encoding, Engine, normalize
 
 OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key: probes and scrapers
+TOKENIZING_THREADS = 4  # the app's thread pool: tokenizing (the Rust tokenizer runs without the GIL) and stopping
 
 
 # Real tokens in one batch where none are chosen: text-embeddings-inference's 16384 on a GPU; on a CPU, where the
@@ -49,6 +51,14 @@ class Limits:
     max_concurrent_requests: int = 512
     max_input_length: int | None = None
     api_key: str | None = None
+
+
+class JSON(JSONResponse):
+    """A JSON response written by orjson: numpy arrays as lists (float32 ones in float32's shortest repr), NaN as
+    null."""
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 class RouteError(Exception):
@@ -114,16 +124,17 @@ class Metrics:
 class MeasureAndGuard:
     """ASGI middleware: each HTTP request's latency and status in the metrics, and 401 without the API key where one
     is set (but on `OPEN_ROUTES`). A plain ASGI class, not `@app.middleware("http")`, whose per-request task and
-    streams cost a single query a visible share of its time."""
+    streams cost a single query a visible share of its time. Requests to paths other than the app's `routes` are
+    counted under the route "other": a label per path a client makes up would grow the metrics without end."""
 
-    def __init__(self, app, metrics: Metrics, api_key: str | None):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: Metrics, api_key: str | None, routes: frozenset[str]):
+        self.app, self.metrics, self.routes = app, metrics, routes
         self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start, route, status = time.perf_counter(), scope["path"], [500]
+        start, path, status = time.perf_counter(), scope["path"], [500]
 
         async def send_status(message):
             if message["type"] == "http.response.start":
@@ -131,14 +142,15 @@ class MeasureAndGuard:
             await send(message)
 
         try:
-            if self.authorization is not None and route not in OPEN_ROUTES and dict(scope["headers"]).get(
+            if self.authorization is not None and path not in OPEN_ROUTES and dict(scope["headers"]).get(
                     b"authorization") != self.authorization:
-                response = error_response(route, RouteError(401, "missing or wrong API key: send the header "
-                                                                 "'Authorization: Bearer <key>'", "Unauthorized"))
+                response = error_response(path, RouteError(401, "missing or wrong API key: send the header "
+                                                                "'Authorization: Bearer <key>'", "Unauthorized"))
                 await response(scope, receive, send_status)
             else:
                 await self.app(scope, receive, send_status)
         finally:
+            route = path if path in self.routes else "other"
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
             self.metrics.requests.labels(route, str(status[0])).inc()
 
@@ -152,14 +164,17 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
     metrics = Metrics(batcher)
     batcher.on_batch = metrics.batch
 
+    pool = ThreadPoolExecutor(TOKENIZING_THREADS, thread_name_prefix="bert-impl-tokenize")
+
     @asynccontextmanager
     async def lifespan(app):
         free_thread_pool()  # the model computes on the worker from now on; this thread (which loaded it) holds a pool
         batcher.start()
         yield
-        await run_in_threadpool(batcher.stop)
+        await asyncio.get_running_loop().run_in_executor(pool, batcher.stop)
+        pool.shutdown()
 
-    app = FastAPI(title="bert-impl-serve", lifespan=lifespan)
+    app = FastAPI(title="bert-impl-serve", lifespan=lifespan, default_response_class=JSON)
     app.state.batcher, app.state.engine = batcher, engine
 
     def check_count(inputs: list, param: str = "inputs") -> None:
@@ -170,16 +185,31 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
                                   f"{limits.max_client_batch_size} (--max-client-batch-size)", param=param)
 
     async def text_rows(texts: list, truncate: bool) -> tuple[list[Encoding], torch.Tensor]:
-        """The texts' token ids and the model's output rows for them: tokenized and queued in the thread pool, where
-        the model worker takes them from without another turn of the event loop; 413 for too many texts, or for one
-        too long without `truncate`."""
+        """The texts' token ids and the model's output rows for them: tokenized and queued in the app's thread pool,
+        where the model worker takes them from, and the event loop woken once, by the rows; 413 for too many texts,
+        or for one too long without `truncate`."""
         check_count(texts)
-        encodings, future = await run_in_threadpool(tokenize_and_queue, texts, truncate)
-        return encodings, await rows_of(future)
+        answer = Future()  # (encodings, rows) or the request's error: set by the tokenizing thread or the model worker
+        pool.submit(tokenize_and_queue, texts, truncate, answer)
+        return await asyncio.wrap_future(answer)
 
-    def tokenize_and_queue(texts: list, truncate: bool) -> tuple[list[Encoding], Future]:
-        encodings = engine.encode(texts, max_input_length if truncate else None)
-        return encodings, queue([check_length(e, i) for i, e in enumerate(encodings)])
+    def tokenize_and_queue(texts: list, truncate: bool, answer: Future) -> None:
+        if not answer.set_running_or_notify_cancel():  # the request is gone; running, it can no longer be cancelled
+            return
+        try:
+            encodings = engine.encode(texts, max_input_length if truncate else None)
+            rows = queue([check_length(e, i) for i, e in enumerate(encodings)])
+        except Exception as error:  # 413, 429, or the tokenizer's own
+            answer.set_exception(error)
+            return
+
+        def pass_on(done: Future) -> None:  # on the model worker, as the batch ends
+            if (error := done.exception()) is not None:
+                answer.set_exception(backend_error(error))
+            else:
+                answer.set_result((encodings, done.result()))
+
+        rows.add_done_callback(pass_on)
 
     def check_length(encoding, index: int):
         if len(encoding.ids) > max_input_length:
@@ -200,14 +230,12 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         try:
             return await asyncio.wrap_future(future)
         except Exception as error:
-            raise RouteError(500, f"the model failed on this request's batch: {error}", "Backend") from error
+            raise backend_error(error) from error
 
     def needs(kinds: tuple[str, ...], route: str) -> None:
         if engine.kind not in kinds:
             raise RouteError(400, f"{route} needs {article(kinds[0])} {' or '.join(kinds)} model; {engine.model_id} "
                                   f"is {article(engine.kind)} {engine.kind} model")
-
-    app.add_middleware(MeasureAndGuard, metrics=metrics, api_key=limits.api_key)
 
     @app.exception_handler(RouteError)
     async def route_error(request: Request, error: RouteError):
@@ -230,12 +258,12 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         needs(("embedding",), "/embed")
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         _, rows = await text_rows(texts, body.truncate)
-        return JSONResponse((normalize(rows) if body.normalize else rows).tolist())
+        return JSON((normalize(rows) if body.normalize else rows).numpy())
 
     @app.post("/predict")
     async def predict(body: Predict):
         answers, single = await predictions(body)
-        return JSONResponse(answers[0] if single else answers)
+        return JSON(answers[0] if single else answers)
 
     async def predictions(body: Predict) -> tuple[list, bool]:
         """Each input's labels and scores, best first; and whether the request held one input."""
@@ -262,19 +290,17 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         _, rows = await text_rows([(body.query, text) for text in body.texts], body.truncate)
         scores = rows if body.raw_scores else rows.sigmoid()
         ranked = sorted(range(len(body.texts)), key=lambda i: -scores[i].item())
-        return JSONResponse([{"index": i, "score": scores[i].item(), **({"text": body.texts[i]} if body.return_text
+        return JSON([{"index": i, "score": scores[i].item(), **({"text": body.texts[i]} if body.return_text
                                                                          else {})} for i in ranked])
 
     @app.post("/tokenize")
     async def tokenize(body: Tokenize):
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        out = await run_in_threadpool(engine.tokenizer, texts, add_special_tokens=body.add_special_tokens,
-                                      return_offsets_mapping=True, return_special_tokens_mask=True)
-        return [[{"id": token, "text": engine.tokenizer.convert_ids_to_tokens(token), "special": bool(special),
-                  "start": start if not special else None, "stop": stop if not special else None}
-                 for token, special, (start, stop) in zip(ids, specials, offsets)]
-                for ids, specials, offsets in zip(out["input_ids"], out["special_tokens_mask"],
-                                                  out["offset_mapping"])]
+        tokens = await asyncio.get_running_loop().run_in_executor(pool, engine.tokens, texts, body.add_special_tokens)
+        return [[{"id": token, "text": text, "special": bool(special), "start": start if not special else None,
+                  "stop": stop if not special else None}
+                 for token, text, special, (start, stop) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets)]
+                for e in tokens]
 
     @app.post("/v1/embeddings")
     async def openai_embeddings(body: OpenAIEmbeddings):
@@ -290,12 +316,12 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
             check_count(given, "input")
             encodings = [check_length(token_ids(ids), i) for i, ids in enumerate(given)]
             rows = await rows_of(queue(encodings))
-        rows = normalize(rows)
+        rows = normalize(rows).numpy()  # (B, H) float32
         data = [{"object": "embedding", "index": i,
-                 "embedding": row.tolist() if body.encoding_format == "float" else
-                 base64.b64encode(row.numpy().astype(np.float32).tobytes()).decode()} for i, row in enumerate(rows)]
+                 "embedding": row if body.encoding_format == "float" else base64.b64encode(row.tobytes()).decode()}
+                for i, row in enumerate(rows)]
         tokens = sum(len(e.ids) for e in encodings)
-        return JSONResponse({"object": "list", "data": data, "model": body.model or engine.model_id,
+        return JSON({"object": "list", "data": data, "model": body.model or engine.model_id,
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     def token_ids(ids: list[int]) -> Encoding:
@@ -314,7 +340,7 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         if engine.kind == "embedding":
             return await embed(validated(Embed, payload))
         answers, _ = await predictions(validated(Predict, payload))
-        return JSONResponse(answers)  # a list per input, as huggingface_hub's InferenceClient reads it
+        return JSON(answers)  # a list per input, as huggingface_hub's InferenceClient reads it
 
     @app.get("/info")
     async def info():
@@ -334,7 +360,14 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(MeasureAndGuard, metrics=metrics, api_key=limits.api_key,
+                       routes=frozenset(route.path for route in app.routes))
     return app
+
+
+def backend_error(error: BaseException) -> RouteError:
+    """The 500 of a request whose batch failed in the model."""
+    return RouteError(500, f"the model failed on this request's batch: {error}", "Backend")
 
 
 def article(word: str) -> str:
@@ -351,7 +384,7 @@ def validated(model: type[BaseModel], payload):
         raise RequestValidationError(error.errors()) from error
 
 
-def error_response(route: str, error: RouteError) -> JSONResponse:
+def error_response(route: str, error: RouteError) -> JSON:
     """An error in the shape of the route's API, with Retry-After on 429."""
     headers = {"Retry-After": "1"} if error.status == 429 else None
     if route.startswith("/v1/"):
@@ -360,4 +393,4 @@ def error_response(route: str, error: RouteError) -> JSONResponse:
         body = {"error": {"message": error.message, "type": kind, "param": error.param, "code": None}}
     else:
         body = {"error": error.message, "error_type": error.error_type}
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    return JSON(body, status_code=error.status, headers=headers)

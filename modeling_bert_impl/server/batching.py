@@ -61,19 +61,29 @@ class Batcher:
 
     def next_batch(self) -> list[Job]:
         """The jobs at the head of the queue that fit one batch (the first always, alone if it is larger), or [] once
-        stopping with nothing queued. Called by the worker."""
+        stopping with nothing queued; cancelled jobs are dropped, and those taken can no longer be cancelled (their
+        futures running). Called by the worker."""
+        jobs = []
         with self.ready:
-            while not self.queue and not self.stopping:
-                self.ready.wait()
-            jobs, tokens, inputs = [], 0, 0
-            while self.queue:
-                job = self.queue[0]
-                too_many = self.max_batch_requests is not None and inputs + len(job.encodings) > self.max_batch_requests
-                if jobs and (tokens + job.tokens > self.max_batch_tokens or too_many):
-                    break
-                jobs.append(self.queue.popleft())
+            while not jobs and (self.queue or not self.stopping):
+                while not self.queue and not self.stopping:
+                    self.ready.wait()
+                jobs = self.take()
+        return jobs
+
+    def take(self) -> list[Job]:
+        """The jobs at the head of the queue that fit one batch, the cancelled ones dropped; the lock held."""
+        jobs, tokens, inputs = [], 0, 0
+        while self.queue:
+            job = self.queue[0]
+            too_many = self.max_batch_requests is not None and inputs + len(job.encodings) > self.max_batch_requests
+            if jobs and (tokens + job.tokens > self.max_batch_tokens or too_many):
+                break
+            self.queue.popleft()
+            if job.future.set_running_or_notify_cancel():  # False: its request is gone (cancelled); else running
+                jobs.append(job)
                 tokens, inputs = tokens + job.tokens, inputs + len(job.encodings)
-            return jobs
+        return jobs
 
     def serve(self) -> None:
         """The worker: batches in turn until stopped and drained."""

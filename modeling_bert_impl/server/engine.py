@@ -92,12 +92,8 @@ class Engine:
 
     def encode(self, texts: list, max_length: int | None = None) -> list[Encoding]:
         """Token ids of each text (or (text, text) pair), cut to `max_length` tokens where it is given; uncut else
-        (the caller refuses what is too long). Safe to call from several threads at once: a fast tokenizer's Rust
-        tokenizer is called directly, set up once per `max_length` (`fixed_backend`), where the tokenizer's own call
-        sets up the one Rust tokenizer before each call, which another thread may be using ("Already borrowed")."""
-        backend = self.backends.get(max_length)
-        if backend is None and getattr(self.tokenizer, "backend_tokenizer", None) is not None:
-            backend = self.backends[max_length] = fixed_backend(self.tokenizer, max_length)
+        (the caller refuses what is too long). Safe to call from several threads at once (`backend`)."""
+        backend = self.backend(max_length)
         if backend is not None:
             return [Encoding(e.ids, e.type_ids) for e in backend.encode_batch([t if isinstance(t, str) else tuple(t)
                                                                                for t in texts])]
@@ -108,6 +104,24 @@ class Engine:
         out = self.tokenizer(first, second, truncation=max_length is not None, max_length=max_length,
                              return_token_type_ids=True)
         return [Encoding(ids, types) for ids, types in zip(out["input_ids"], out["token_type_ids"])]
+
+    def tokens(self, texts: list[str], add_special_tokens: bool = True) -> list:
+        """Each text's tokens, uncut, as the Rust tokenizer's `Encoding`s (ids, tokens, offsets, special tokens
+        mask), for /tokenize; safe from several threads at once (`backend`). Needs a fast tokenizer."""
+        backend = self.backend(None)
+        if backend is None:
+            raise ValueError(f"{self.model_id}: /tokenize needs a fast (Rust) tokenizer; this one is "
+                             f"{type(self.tokenizer).__name__}")
+        return backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    def backend(self, max_length: int | None):
+        """The Rust tokenizer set up for `max_length` (`fixed_backend`), made once per setting; None where the
+        tokenizer has none. A copy per setting, not the tokenizer's own: its call sets up its one Rust tokenizer
+        before each call, which another thread may be using ("Already borrowed")."""
+        backend = self.backends.get(max_length)
+        if backend is None and getattr(self.tokenizer, "backend_tokenizer", None) is not None:
+            backend = self.backends[max_length] = fixed_backend(self.tokenizer, max_length)
+        return backend
 
     @torch.inference_mode()
     def run(self, encodings: list[Encoding]) -> torch.Tensor:
