@@ -118,7 +118,7 @@ def small_int8_package(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_lora_merged_package():
     """helpers.small_model(0)'s weights with `small_lora` merged in (peft's merge_and_unload), compiled with the AVX2
-    kernels turned off (oneDNN's products, as where they cannot be built or the CPU has AVX-512): the compiled model."""
+    kernels turned off (oneDNN's products and torch's attention, as where they cannot be built): the compiled model."""
     import modeling_bert_impl as bi
     from helpers import small_lora, small_model
     from modeling_bert_impl.inference import avx2_gemm

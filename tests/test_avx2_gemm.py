@@ -187,8 +187,8 @@ def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kerne
 
 @needs_tracing
 def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch, small_lora_merged_package):
-    """Where it is not chosen (an AVX-512 CPU, or it could not be built: `load` says why), no call reaches it (the
-    program of conftest's `small_lora_merged_package`, compiled so). An int8 model chooses it only where its weights
+    """Where the kernels could not be built (`load` says why), no call reaches them (the program of conftest's
+    `small_lora_merged_package`, compiled so): oneDNN's products and torch's attention. An int8 model chooses it only where its weights
     have 7 bits (no VNNI): vpmaddubsw's int16 pair sums would saturate on 8."""
     for op in avx2_gemm.OPS:
         assert kernel_calls(small_lora_merged_package, op, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
@@ -200,18 +200,32 @@ def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch,
 
 
 @needs_tracing
+def test_the_programs_attention_is_the_kernels_wherever_it_runs(ops, small_packages, small_int8_package):
+    """On any CPU the kernels run on (AVX-512 too, whose products stay oneDNN's and inductor's) the float32 and int8
+    programs of conftest's packages attend through `bert_impl::attention`, once per layer; our products only where
+    `chosen` (an AVX2 CPU)."""
+    assert avx2_gemm.attention_chosen()
+    model = bi.compile_for_inference(small_model(), small_packages[True])
+    int8, _ = small_int8_package
+    ids = small_ids(3, seed=4)
+    for compiled, product, calls in ((model, avx2_gemm.OP, 9 * avx2_gemm.chosen(small_model())),
+                                     (int8, avx2_gemm.INT8_OP, 8 * avx2_gemm.chosen(int8_model()))):
+        assert kernel_calls(compiled, avx2_gemm.ATTENTION_OP, input_ids=ids) == 2
+        assert kernel_calls(compiled, product, input_ids=ids) == calls
+
+
+@needs_tracing
 def test_a_package_that_needs_the_kernel_says_so(kernel_package, monkeypatch):
     """Loading a package compiled with the kernels, in a process that could not build them, names the package and
     why, before loading it; where the reason is a C++ compiler not on PATH, which one and how to get one."""
     _, path = kernel_package
-    monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
     monkeypatch.setattr(avx2_gemm, "load", lambda: "g++ could not build it")
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda _: pytest.fail("the package was loaded"))
     with pytest.raises(ValueError, match=rf"{path} calls bert-impl's AVX2 kernels .*could not be \(g\+\+ could not"):
         bi.compile_for_inference(small_model(), path)
     with torch._inductor.config.patch({"cpp.cxx": (None, "no-such-g++")}):
         with pytest.raises(ValueError, match=rf"{path} calls .*compiler, and no-such-g\+\+ is not on PATH: install "
-                                             r"it \(e.g. `apt install g\+\+`\).*AVX-512.*needs no compiler"):
+                                             r"it \(e.g. `apt install g\+\+`\).*TORCHINDUCTOR_CACHE_DIR"):
             bi.compile_for_inference(small_model(), path)
         with pytest.raises(ValueError, match=r"compiles with a C\+\+ compiler, and no-such-g\+\+ is not on PATH"):
             bi.compile_for_inference(small_model())

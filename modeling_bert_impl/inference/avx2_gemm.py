@@ -24,7 +24,8 @@ in between (Cephes' exp, 8 at a time): at batch 1 faster than torch's CPU flash 
 queries.
 
 `compile_for_inference` runs the encoder's linear layers (and the pooler's) and attention through them
-(`kernel_modules`) where `chosen`: an AVX2 CPU on Linux x86-64, the kernels built (and, for int8, weights of 7 bits).
+(`kernel_modules`) where `chosen`: an AVX2 CPU on Linux x86-64, the kernels built (and, for int8, weights of 7 bits);
+on an AVX-512 CPU, the attention alone (`attention_chosen`), faster there too than torch's.
 They are built once per torch release and source, with the C++ compiler that inductor uses (which compiling the program
 needs too), into inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`), and loaded into the
 process (`load`). A package compiled with them needs them loaded to load: `compile_for_inference` builds or finds them
@@ -57,11 +58,24 @@ ATTENTION_OP = "bert_impl::attention"
 OPS = (OP, INT8_OP, ATTENTION_OP)
 
 
+def runs_here() -> bool:
+    """Linux x86-64 with AVX2 or AVX-512 (which has AVX2 too): where the kernels' code runs."""
+    return (sys.platform == "linux" and platform.machine() == "x86_64"
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
 def supported() -> bool:
     """An AVX2 CPU (where oneDNN's float32 products were measured slower: on AVX-512 they stay oneDNN's) on Linux
     x86-64."""
-    return (sys.platform == "linux" and platform.machine() == "x86_64"
-            and torch.backends.cpu.get_cpu_capability() == "AVX2")
+    return runs_here() and torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def attention_chosen() -> bool:
+    """Whether the programs' attention runs through the kernel's (`bert_impl::attention`): wherever its code runs
+    (`runs_here`) and it is built and loaded, on AVX-512 CPUs too, whose products stay oneDNN's and inductor's: faster
+    there as well than torch's CPU flash attention (SDPA) at BERT's head sizes, on single queries and batches, and the
+    int8 programs faster with it on mixed batches (benchmarks/NOTES.md, "Attention in the programs on AVX-512")."""
+    return runs_here() and load() is None
 
 
 def chosen(base: nn.Module) -> bool:

@@ -5,7 +5,8 @@ operations of each layer, each dispatched from Python, cost as much again even o
 `compile_for_inference` exports the encoder's forward on a batch and its attention mask (`torch.export`, batch and
 length dynamic: embeddings, layers, pooler) and compiles it with AOTInductor into a package (.pt2): one C++ program with
 the weights frozen in oneDNN's layout (on an AVX2 CPU: in the panels of our own product and attention kernels,
-avx2_gemm.py, faster there than oneDNN's and SDPA), the small operations fused into loops, no Python between them.
+avx2_gemm.py, faster there than oneDNN's and SDPA; on AVX-512, our attention kernel alone, faster than SDPA there too),
+the small operations fused into loops, no Python between them.
 The inference model it returns (a copy of the model given, with `optimize_for_inference`'s packed weights and fused
 layers: frozen_model.py) runs that program wherever the result is the same (`program_inputs`, the one place that
 decides): a batch without padding in one run (above 2,048 tokens, one per group of sequences: `dense`); one query
@@ -20,14 +21,14 @@ CPU with AVX-512 VNNI (`INT8_CONFIGS`), our int8 kernel on an AVX2 CPU (avx2_gem
 computes `Int8Linear`'s traced formulation, whose activations round a little differently from the eager int8 kernel's
 (and, on some shapes, the template's fused quantizing rounds a few differently again).
 
-Opting in, not the default: the compile takes a C++ compiler and tens of seconds (more the first time on an AVX2 CPU,
-to build the kernels into inductor's cache), and the package, loaded, holds one more copy of the encoder's weights.
+Opting in, not the default: the compile takes a C++ compiler and tens of seconds (more the first time, to build the
+kernels into inductor's cache), and the package, loaded, holds one more copy of the encoder's weights.
 Compile once, keep the package, and load it in the serving processes: a `package_path` that exists is loaded, never
 written over. A package is executable code (its shared object runs when loaded), so it is read as a zip archive first
 (package_file.py): refused, before any of its code runs, where it is damaged (its content against the SHA-256 written
 into it at compile time) or was compiled from other weights (a fingerprint of them), with another torch, or for other
-vector instructions (its code uses them). A package compiled with the AVX2 kernels needs them where it is loaded: built
-there (the same compiler) or found in the cache.
+vector instructions (its code uses them). A package compiled with our kernels (on Linux x86-64, wherever they could be
+built: the attention at least) needs them where it is loaded: built there (the same compiler) or found in the cache.
 """
 
 import functools
@@ -50,7 +51,7 @@ from ..layouts import BucketedLayout, first_tokens
 from ..modeling_bert_impl import BertImplModel
 from .anatomy import joined, layer_sites
 from .frozen_model import InferenceModule, ModuleTree, fix_weights, inference_class, inference_copy
-from .fused_layers import UNMASKED_ATTENTION, QKVAttention, group_size
+from .fused_layers import UNMASKED_ATTENTION, QKVAttention, dense_attention, group_size
 from .package_file import read_manifest, write_manifest
 from .packed_linear import untraced
 from .quantization import Int8Linear
@@ -421,18 +422,18 @@ def missing_compiler() -> str | None:
 
 def load_package(package_path: str, kernels: bool):
     """The package's program, loaded (`native.program`; its manifest checked: `read_manifest`). A package compiled
-    with our AVX2 kernels (`kernels`: avx2_gemm.py) needs them loaded first, built here if they are not in inductor's
-    cache."""
+    with our kernels (`kernels`: avx2_gemm.py; its attention at least, wherever they could be built) needs them loaded
+    first, built here if they are not in inductor's cache."""
     if kernels:
-        why = avx2_gemm.load() if avx2_gemm.supported() else "this CPU is not AVX2 on Linux x86-64"
+        why = avx2_gemm.load() if avx2_gemm.runs_here() else "this is not Linux x86-64 with AVX2 or AVX-512"
         if why is not None:
             compiler = missing_compiler()
             raise ValueError(
                 f"package_path: {package_path} calls bert-impl's AVX2 kernels (avx2_gemm.py), which are built "
                 + (f"here once with a C++ compiler, and {compiler} is not on PATH: {INSTALL_COMPILER}"
                    if compiler is not None else f"here once and could not be ({why}); compile the model again here")
-                + ". (A package compiled where the CPU has AVX-512 runs oneDNN's products: loading it needs no "
-                "compiler.)")
+                + ". (Or load it where the kernels are in inductor's cache already: TORCHINDUCTOR_CACHE_DIR of a "
+                "machine that built them with this torch.)")
     return native.program(package_path)
 
 
@@ -448,8 +449,10 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     batch = torch.export.Dim("batch", min=1)
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
     configs = {"freezing": True, **gemm_configs(base)}
-    kernels = dtype == torch.float32 and avx2_gemm.chosen(base)
-    with torch.no_grad(), avx2_gemm.kernel_modules(base) if kernels else joint_attention(base, dtype):
+    products = dtype == torch.float32 and avx2_gemm.chosen(base)  # our products and attention, else attention only
+    attention = avx2_gemm.kernel_attention if products or avx2_gemm.attention_chosen() else dense_attention
+    kernels = attention is avx2_gemm.kernel_attention
+    with torch.no_grad(), avx2_gemm.kernel_modules(base) if products else joint_attention(base, dtype, attention):
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4)
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
@@ -467,17 +470,17 @@ def joint_product(layers: list[nn.Module]) -> nn.Module:
     return joint
 
 
-def joint_attention(base: BertImplModel, dtype: torch.dtype = torch.float32):
-    """While tracing the program: each layer's self-attention a `QKVAttention` with torch's attention on one product
-    of query, key and value (one GEMM in the program, as the fused layers run them); in bfloat16 every product of the
-    encoder and the pooler a `Bf16Product`; put back after."""
+def joint_attention(base: BertImplModel, dtype: torch.dtype = torch.float32, attend=dense_attention):
+    """While tracing the program: each layer's self-attention a `QKVAttention` with `attend` (torch's attention, or
+    our kernel's: avx2_gemm.attention_chosen) on one product of query, key and value (one GEMM in the program, as the
+    fused layers run them); in bfloat16 every product of the encoder and the pooler a `Bf16Product`; put back after."""
     targets = []
     bf16 = dtype == torch.bfloat16
     for layer in base.encoder.layer:
         (qkv, _), *others = layer_sites(layer)
         joint = joint_product(qkv)
         targets.append((layer.attention, "self", QKVAttention(layer.attention.self, Bf16Product(joint) if bf16
-                                                              else joint)))
+                                                              else joint, attend)))
         if bf16:
             targets += [(parent, name, Bf16Product(module)) for (module,), ((parent, name),) in others]
     if bf16 and getattr(base, "pooler", None) is not None:
