@@ -503,6 +503,21 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def test_the_console_script_freezes_what_it_loaded_before_serving(monkeypatch, embedder):
+    """main() loads the model, then sets every object made so far aside from the cycle collector (gc.freeze), then
+    serves: the collector's full passes no longer walk torch's and the model's objects."""
+    import gc
+
+    from modeling_bert_impl.server import cli
+
+    steps = []
+    monkeypatch.setattr("modeling_bert_impl.server.engine.Engine", lambda *args: steps.append("load") or embedder)
+    monkeypatch.setattr(gc, "freeze", lambda: steps.append("freeze"))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: steps.append(("serve", type(app).__name__, kwargs)))
+    cli.main(["some-model", "--port", "8123"])
+    assert steps == ["load", "freeze", ("serve", "FastAPI", {"host": "127.0.0.1", "port": 8123, "log_level": "info"})]
+
+
 def test_the_console_script_is_declared_and_parses(capsys):
     import tomllib
     from pathlib import Path

@@ -7,6 +7,7 @@ the CPU has bfloat16 units (AMX, AVX512-BF16); --int8 quantizes, --compile compi
 """
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -65,9 +66,20 @@ def main(argv: list[str] | None = None) -> None:
                 f"{info['threads']} threads")
     limits = Limits(args.max_batch_tokens, args.max_batch_requests, args.max_client_batch_size,
                     args.max_concurrent_requests, args.max_input_length, args.api_key)
+    app = create_app(engine, limits)
+    freeze_garbage_collector()
     # uvicorn's SIGTERM and SIGINT: stop taking connections, finish the requests in flight, then the lifespan's end
     # (the model worker drains its queue)
-    uvicorn.run(create_app(engine, limits), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+def freeze_garbage_collector() -> None:
+    """Set aside every object made so far (torch's, transformers', the model's: about 430,000 for all-MiniLM-L6-v2)
+    from Python's cycle collector: `gc.freeze`, once loaded. Else each full collection walks them all, holding the GIL
+    for a fifth of a second idle and longer under load, during which no request is answered and the model worker waits
+    (benchmarks/NOTES.md, "The server's garbage collector"). Objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 if __name__ == "__main__":
