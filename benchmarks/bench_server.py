@@ -311,7 +311,7 @@ def overload(sentences: list[str], seconds: float, clients: int = 64):
     process.terminate()
     process.wait(timeout=60)
     print(f"overload, {clients} clients for {seconds:.0f} s, queue of 16: {counts} (wrong: a 200 whose embedding is "
-          f"not its own sentence's: cosine below 0.999); RSS MB at (s, MB): {rss[0]}, {rss[len(rss) // 2]}, {rss[-1]}; "
+          f"not its own sentence's: cosine below 0.999); RSS MB every 10 s: {[round(r) for _, r in rss]}; "
           f"max {max(r for _, r in rss):.0f} (load {loadavg()})")
 
 

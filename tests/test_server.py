@@ -503,19 +503,25 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_the_console_script_freezes_what_it_loaded_before_serving(monkeypatch, embedder):
-    """main() loads the model, then sets every object made so far aside from the cycle collector (gc.freeze), then
-    serves: the collector's full passes no longer walk torch's and the model's objects."""
+def test_the_console_script_sizes_onednns_caches_loads_freezes_and_serves(monkeypatch, embedder):
+    """main() sizes oneDNN's per-shape caches where the environment does not (before the model's first use of
+    oneDNN), loads the model, sets every object made so far aside from the cycle collector (gc.freeze), then serves:
+    the collector's full passes no longer walk torch's and the model's objects."""
     import gc
+    import os
 
     from modeling_bert_impl.server import cli
 
     steps = []
-    monkeypatch.setattr("modeling_bert_impl.server.engine.Engine", lambda *args: steps.append("load") or embedder)
+    monkeypatch.setattr(os, "environ", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"})  # set by the user: kept
+    caches = lambda: (os.environ.get("LRU_CACHE_CAPACITY"), os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])  # noqa: E731
+    monkeypatch.setattr("modeling_bert_impl.server.engine.Engine",
+                        lambda *args: steps.append(("load", caches())) or embedder)
     monkeypatch.setattr(gc, "freeze", lambda: steps.append("freeze"))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: steps.append(("serve", type(app).__name__, kwargs)))
     cli.main(["some-model", "--port", "8123"])
-    assert steps == ["load", "freeze", ("serve", "FastAPI", {"host": "127.0.0.1", "port": 8123, "log_level": "info"})]
+    assert steps == [("load", ("16", "64")), "freeze",
+                     ("serve", "FastAPI", {"host": "127.0.0.1", "port": 8123, "log_level": "info"})]
 
 
 def test_the_console_script_is_declared_and_parses(capsys):

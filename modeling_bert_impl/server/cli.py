@@ -15,6 +15,10 @@ import sys
 from .engine import DTYPES, POOLINGS, EngineChoice
 
 logger = logging.getLogger("bert_impl.serve")
+# oneDNN's two per-shape caches, entries each where the environment does not size them (the engines keep 256): a
+# server's batches hold any number of tokens, so a shape kept is seldom met again, and 256 of them grew the process by
+# about 300 MB under load (benchmarks/NOTES.md, "The server's memory under overload").
+ONEDNN_CACHE_ENTRIES = 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"bert-impl-serve needs {error.name}, of bert-impl's `serve` extra: pip install 'bert-impl[serve]'")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     choice = EngineChoice(args.dtype, args.calibration if args.int8 else None, args.compile, args.device)
+    for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):  # read at oneDNN's first use: before it
+        os.environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
     engine = Engine(args.model, choice, args.pooling)
     info = engine.info()
     logger.info(f"{args.model}: {engine.kind} model, {info['engine']}, {info['model_dtype']}, {info['device']}, "
