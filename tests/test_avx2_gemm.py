@@ -188,8 +188,8 @@ def test_the_float32_program_runs_every_encoder_product_through_the_kernel(kerne
 @needs_tracing
 def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch, small_lora_merged_package):
     """Where the kernels could not be built (`load` says why), no call reaches them (the program of conftest's
-    `small_lora_merged_package`, compiled so): oneDNN's products and torch's attention. An int8 model chooses it only where its weights
-    have 7 bits (no VNNI): vpmaddubsw's int16 pair sums would saturate on 8."""
+    `small_lora_merged_package`, compiled so): oneDNN's products and torch's attention. An int8 model chooses the
+    products only where its weights have 7 bits (no VNNI): vpmaddubsw's int16 pair sums would saturate on 8."""
     for op in avx2_gemm.OPS:
         assert kernel_calls(small_lora_merged_package, op, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)

@@ -233,6 +233,10 @@ def test_tokenize_and_info(served, minilm_dir):
                                 [texts[i:i + 2] for i in range(0, len(texts), 2)]))
     assert [[t["id"] for t in tokens] for _, got, _ in answers for tokens in got] == tokenizer(
         texts, add_special_tokens=False)["input_ids"]
+    with pytest.MonkeyPatch.context() as patch:  # a slow tokenizer (no offsets): its reason, not a bare 500
+        patch.setattr(served.app.state.engine, "backend", lambda max_length: None)
+        status, body, _ = served.post("/tokenize", {"inputs": "x"})
+    assert status == 400 and "/tokenize needs a fast (Rust) tokenizer" in body["error"]
     status, info, _ = served.get("/info")
     assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["model_dtype"] == "float32"
     assert info["max_input_length"] == 64 and info["max_client_batch_size"] == 8

@@ -296,7 +296,11 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: Tokenize):
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        tokens = await asyncio.get_running_loop().run_in_executor(pool, engine.tokens, texts, body.add_special_tokens)
+        try:
+            tokens = await asyncio.get_running_loop().run_in_executor(pool, engine.tokens, texts,
+                                                                      body.add_special_tokens)
+        except ValueError as error:  # a tokenizer without offsets (not a fast one)
+            raise RouteError(400, str(error)) from error
         return [[{"id": token, "text": text, "special": bool(special), "start": start if not special else None,
                   "stop": stop if not special else None}
                  for token, text, special, (start, stop) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets)]
