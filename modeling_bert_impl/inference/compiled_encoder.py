@@ -450,8 +450,8 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     length = torch.export.Dim("length", min=2, max=base.config.max_position_embeddings)
     configs = {"freezing": True, **gemm_configs(base)}
     products = dtype == torch.float32 and avx2_gemm.chosen(base)  # our products and attention, else attention only
-    attention = avx2_gemm.kernel_attention if products or avx2_gemm.attention_chosen() else dense_attention
-    kernels = attention is avx2_gemm.kernel_attention
+    kernels = products or avx2_gemm.attention_chosen()
+    attention = avx2_gemm.kernel_attention if kernels else dense_attention
     with torch.no_grad(), avx2_gemm.kernel_modules(base) if products else joint_attention(base, dtype, attention):
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4)

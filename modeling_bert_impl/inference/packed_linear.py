@@ -43,17 +43,18 @@ class Frozen:
         return self
 
 
-def bound_onednn_caches(engine: str) -> None:
-    """Set oneDNN's caches to CACHE_CAPACITY entries each where the environment does not size them. Both are sized at
-    oneDNN's first use in the process, so the engine does this before its first packed weight: a process that ran
-    oneDNN before keeps the sizes it had. LRU_CACHE_CAPACITY=0 is refused with a ValueError: torch's packed and int8
-    oneDNN products crash the process (SIGSEGV) with ideep's cache off, at their first call."""
+def bound_onednn_caches(engine: str, capacity: int = CACHE_CAPACITY) -> None:
+    """Set oneDNN's caches to `capacity` entries each where the environment does not size them. Both are sized at
+    oneDNN's first use in the process, so the engine does this before its first packed weight (and a server, with its
+    own capacity, before the engine): a process that ran oneDNN before keeps the sizes it had. LRU_CACHE_CAPACITY=0 is
+    refused with a ValueError: torch's packed and int8 oneDNN products crash the process (SIGSEGV) with ideep's cache
+    off, at their first call."""
     if os.environ.get("LRU_CACHE_CAPACITY", "").strip() == "0":
         raise ValueError(f"LRU_CACHE_CAPACITY=0: {engine}'s oneDNN products crash (SIGSEGV, a torch bug) with oneDNN's "
-                         f"cache off; unset it (the engine then keeps {CACHE_CAPACITY} shapes' products), or set it to "
-                         "a small number of entries, before starting Python")
+                         f"cache off; unset it ({engine} then keeps {capacity} shapes' products), or set it to a small "
+                         "number of entries, before starting Python")
     for name in CACHES:
-        os.environ.setdefault(name, str(CACHE_CAPACITY))
+        os.environ.setdefault(name, str(capacity))
 
 
 def is_exact_gelu(act) -> bool:

@@ -290,8 +290,8 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         _, rows = await text_rows([(body.query, text) for text in body.texts], body.truncate)
         scores = rows if body.raw_scores else rows.sigmoid()
         ranked = sorted(range(len(body.texts)), key=lambda i: -scores[i].item())
-        return JSON([{"index": i, "score": scores[i].item(), **({"text": body.texts[i]} if body.return_text
-                                                                         else {})} for i in ranked])
+        return JSON([{"index": i, "score": scores[i].item(), **({"text": body.texts[i]} if body.return_text else {})}
+                     for i in ranked])
 
     @app.post("/tokenize")
     async def tokenize(body: Tokenize):
@@ -326,7 +326,7 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
                 for i, row in enumerate(rows)]
         tokens = sum(len(e.ids) for e in encodings)
         return JSON({"object": "list", "data": data, "model": body.model or engine.model_id,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     def token_ids(ids: list[int]) -> Encoding:
         vocabulary = engine.config.vocab_size

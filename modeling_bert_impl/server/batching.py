@@ -65,9 +65,10 @@ class Batcher:
         futures running). Called by the worker."""
         jobs = []
         with self.ready:
-            while not jobs and (self.queue or not self.stopping):
-                while not self.queue and not self.stopping:
-                    self.ready.wait()
+            while not jobs:
+                self.ready.wait_for(lambda: self.queue or self.stopping)
+                if not self.queue:  # stopping, drained
+                    break
                 jobs = self.take()
         return jobs
 

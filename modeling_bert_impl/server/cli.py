@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from ..inference.packed_linear import bound_onednn_caches
 from .engine import DTYPES, POOLINGS, EngineChoice
 
 logger = logging.getLogger("bert_impl.serve")
@@ -64,8 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"bert-impl-serve needs {error.name}, of bert-impl's `serve` extra: pip install 'bert-impl[serve]'")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     choice = EngineChoice(args.dtype, args.calibration if args.int8 else None, args.compile, args.device)
-    for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):  # read at oneDNN's first use: before it
-        os.environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
+    bound_onednn_caches("bert-impl-serve", ONEDNN_CACHE_ENTRIES)  # read at oneDNN's first use: before the engine's
     engine = Engine(args.model, choice, args.pooling)
     info = engine.info()
     logger.info(f"{args.model}: {engine.kind} model, {info['engine']}, {info['model_dtype']}, {info['device']}, "
