@@ -118,17 +118,27 @@ def small_int8_package(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_lora_merged_package():
     """helpers.small_model(0)'s weights with `small_lora` merged in (peft's merge_and_unload), compiled with the AVX2
-    kernels turned off (oneDNN's products and torch's attention, as where they cannot be built): the compiled model."""
+    kernels turned off (oneDNN's products and torch's attention, as where they cannot be built) and no package path:
+    the compiled model, and the temporary folders made while compiling it."""
+    import tempfile
+
     import modeling_bert_impl as bi
     from helpers import small_lora, small_model
     from modeling_bert_impl.inference import avx2_gemm
 
     merged = small_lora(small_model(0)).merge_and_unload()
+    folders, make_folder = [], tempfile.mkdtemp
+
+    def recorded(*args, **kwargs):
+        folders.append(make_folder(*args, **kwargs))
+        return folders[-1]
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(avx2_gemm, "supported", lambda: True)
         patch.setattr(avx2_gemm, "load", lambda: "turned off for this package")
+        patch.setattr(tempfile, "mkdtemp", recorded)
         assert not avx2_gemm.chosen(merged)
-        return bi.compile_for_inference(merged)
+        return bi.compile_for_inference(merged), folders
 
 
 @pytest.fixture

@@ -191,7 +191,7 @@ def test_without_the_kernel_the_program_keeps_onednns_products(ops, monkeypatch,
     `small_lora_merged_package`, compiled so): oneDNN's products and torch's attention. An int8 model chooses the
     products only where its weights have 7 bits (no VNNI): vpmaddubsw's int16 pair sums would saturate on 8."""
     for op in avx2_gemm.OPS:
-        assert kernel_calls(small_lora_merged_package, op, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
+        assert kernel_calls(small_lora_merged_package[0], op, input_ids=torch.ones(1, 9, dtype=torch.long)) == 0
     monkeypatch.setattr(avx2_gemm, "supported", lambda: True)
     int8 = int8_model()
     for levels, chosen in ((63, True), (127, False)):

@@ -339,7 +339,7 @@ def test_peft_adapters_take_the_eager_path_and_merged_models_compile(packages, e
     plain.load_state_dict(encoder_state)
     model = bi.compile_for_inference(plain, packages[True])
     calls = program_calls(model)
-    merged = small_lora_merged_package
+    merged, _ = small_lora_merged_package
     merged_calls = program_calls(merged)
     inputs = {"input_ids": small_ids(2, seed=6)}
     with torch.no_grad():
@@ -350,6 +350,18 @@ def test_peft_adapters_take_the_eager_path_and_merged_models_compile(packages, e
     assert len(calls) == 1 and len(merged_calls) == 1
     assert (adapted - before).abs().max() > 1e-3
     assert (adapted - expected).abs().max() < 1e-5 and (got - expected).abs().max() < 1e-5
+
+
+def test_compiling_without_a_path_leaves_no_file_behind(small_lora_merged_package):
+    """`compile_for_inference(model)` compiles into a temporary folder (conftest's `small_lora_merged_package`): gone
+    once the program is loaded, which still runs."""
+    model, folders = small_lora_merged_package
+    ours = [folder for folder in folders if os.path.basename(folder).startswith("bert_impl_")]
+    assert len(ours) == 1 and not os.path.exists(ours[0])
+    calls = program_calls(model)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=small_ids(2, seed=3)).last_hidden_state).all()
+    assert len(calls) == 1
 
 
 def test_bad_ids_are_named_and_the_program_still_serves(packages, encoder_state):

@@ -83,13 +83,12 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     `package_path`: where the compiled package (.pt2) goes. If it exists it is loaded instead, when it is whole (its
     content matches the SHA-256 written into it) and was compiled from the same weights by the same torch for the same
     CPU instructions (else a ValueError says what is wrong, before any of the package's code runs); None compiles into a
-    temporary file. A package is executable code, as a pickle is: load only packages you compiled or trust (the digest
-    finds damage, not a package someone rewrote). Calls with `input_ids` (batch 1, dense batches, at least 2 tokens, at
-    most 64 in all in float32 on an AVX2 CPU: `token_limit`; one padded query; padded batches too in an int8 model), no
-    hidden states or attention maps asked for, no labels, inputs that need no gradient, run the encoder (embeddings,
-    layers, pooler) as that program (a padded batch once per group of sequences of similar length); the heads run as
-    before, and every
-    other call runs `optimize_for_inference`'s path. The weights are the model's at this call: changing the model
+    temporary file, deleted once loaded. A package is executable code, as a pickle is: load only packages you compiled
+    or trust (the digest finds damage, not a package someone rewrote). Calls with `input_ids` (batch 1, dense batches,
+    at least 2 tokens, at most 64 in all in float32 on an AVX2 CPU: `token_limit`; one padded query; padded batches
+    too in an int8 model), no hidden states or attention maps asked for, no labels, inputs that need no gradient, run
+    the encoder (embeddings, layers, pooler) as that program (a padded batch once per group of sequences of similar
+    length); the heads run as before, and every other call runs `optimize_for_inference`'s path. The weights are the model's at this call: changing the model
     afterwards does not change the inference model (compile again). An int8 model's program runs `Int8Linear`'s traced
     formulation.
 
@@ -124,9 +123,11 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
         if (compiler := missing_compiler()) is not None:
             raise ValueError(f"model: compile_for_inference compiles with a C++ compiler, and {compiler} is not on "
                              f"PATH: {INSTALL_COMPILER}; or give package_path a package compiled for this CPU")
-        if package_path is None:
-            package_path = os.path.join(tempfile.mkdtemp(prefix="bert_impl_"), "model.pt2")
-        program = compile_package(frozen_base, os.fspath(package_path), metadata, dtype)
+        if package_path is None:  # the program, once loaded, needs no file: the package goes with its folder
+            with tempfile.TemporaryDirectory(prefix="bert_impl_") as folder:
+                program = compile_package(frozen_base, os.path.join(folder, "model.pt2"), metadata, dtype)
+        else:
+            program = compile_package(frozen_base, os.fspath(package_path), metadata, dtype)
     frozen_base.__class__ = compiled_class(type(frozen_base))
     frozen_base.compiled_encoder = CompiledEncoder(program, frozen_base)
     fix_weights(frozen, native=True)
