@@ -1,6 +1,7 @@
-"""`.ci/run`'s passes: a failing pass lets the later ones run, each prints its time, and the script fails at the end
-naming the failed passes (the helpers in .ci/passes.sh, driven with stand-in passes)."""
+"""`.ci/run`'s passes: a failing pass lets the later ones run, each prints its time and keeps its temporary files in
+its own folder, and the script fails at the end naming the failed passes (the helpers in .ci/passes.sh, driven with stand-in passes)."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -10,7 +11,8 @@ SCRIPT = """
 set -uo pipefail
 source .ci/passes.sh
 broken() { echo "step 1"; false; echo "never printed"; }
-fine() { python -c "import sys; print('in', sys.prefix, 'with', sys.argv[1:])" "$@"; }
+fine() { python -c "import os, sys, tempfile; print('in', sys.prefix, 'with', sys.argv[1:])
+print('temporary files in', tempfile.mkdtemp(), 'uv cache in', os.environ['UV_CACHE_DIR'])" "$@"; }
 run_pass first "a pass that fails half-way" broken
 run_pass second "a pass after it" fine "2.6" "two words"
 run_pass third "another failing pass" false
@@ -27,6 +29,10 @@ def test_a_failing_pass_lets_the_later_ones_run_and_fails_the_script(tmp_path):
     assert "step 1" in out and "never printed" not in out  # `set -e` inside a pass ends that pass
     # the next pass ran, in its own new environment, given its arguments
     assert f"in {tmp_path / 'envs' / 'second'} with ['2.6', 'two words']" in out
+    # its temporary files and uv's cache in its folder, which goes after it
+    assert f"temporary files in {tmp_path / 'envs' / 'second' / 'tmp'}/tmp" in out
+    assert f"uv cache in {tmp_path / 'envs' / 'second' / 'uv-cache'}\n" in out
+    assert re.search(r"== second: its folder took \S+ \(\S+ free\)", out)
     assert "== first: FAILED (exit 1) after" in out and "== second: passed in" in out
     assert "== third: FAILED" in out
     assert out.strip().splitlines()[-1] == "== CI FAILED: first third (of 3 passes)"
