@@ -5,6 +5,7 @@ batches; a failing batch; SIGTERM with requests in flight. Servers run in this p
 port of 127.0.0.1), but the SIGTERM test's, a `bert-impl-serve` subprocess."""
 
 import base64
+import http.client
 import json
 import signal
 import socket
@@ -304,10 +305,14 @@ class GatedEngine:
     """The embedder, its batches held until `gate` is set and recorded; a batch holding the text "fail" raises."""
 
     def __init__(self, engine):
-        self.engine, self.gate, self.batches, self.held = engine, threading.Event(), [], 0
+        self.engine, self.gate, self.batches, self.held, self.encoded = engine, threading.Event(), [], 0, 0
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+    def encode(self, *args):
+        self.encoded += 1
+        return self.engine.encode(*args)
 
     def run(self, encodings):
         self.held = len(encodings)  # taken by the worker
@@ -319,8 +324,17 @@ class GatedEngine:
 
 
 def test_a_full_queue_answers_429_with_retry_after(embedder):
+    """While the queue is full, requests for the model get 429 with Retry-After in their API's shape, before their
+    body is parsed or tokenized (a malformed one too); the connection stays usable, and other routes answer."""
     gated = GatedEngine(embedder)
     server = Server(gated, Limits(max_concurrent_requests=1))
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+
+    def post_on_connection(payload: bytes):
+        connection.request("POST", "/embed", payload, {"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+
     try:
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(server.post, "/embed", {"inputs": "one"})  # taken by the worker, held at the gate
@@ -332,10 +346,18 @@ def test_a_full_queue_answers_429_with_retry_after(embedder):
             status, body, headers = server.post("/embed", {"inputs": "three"})
             assert status == 429 and headers["Retry-After"] == "1" and body["error_type"] == "Overloaded"
             assert "--max-concurrent-requests" in body["error"]
+            status, body, headers = server.post("/v1/embeddings", {"input": "three"})
+            assert status == 429 and headers["Retry-After"] == "1" and body["error"]["type"] == "rate_limit_error"
+            assert post_on_connection(b'{"inputs": ')[0] == 429  # refused before its body is parsed
+            assert server.post("/tokenize", {"inputs": "three"})[0] == 200
+            assert gated.encoded == 2  # the first two requests only
             gated.gate.set()
             assert first.result()[0] == second.result()[0] == 200
+            status, body = post_on_connection(b'{"inputs": "four"}')  # the same connection, the queue free again
+            assert status == 200 and len(body[0]) == 384
     finally:
         gated.gate.set()
+        connection.close()
         server.stop()
 
 

@@ -31,6 +31,7 @@ from .batching import Batcher
 from .engine import Encoding, Engine, normalize
 
 OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key: probes and scrapers
+QUEUED_ROUTES = ("/", "/embed", "/predict", "/rerank", "/v1/embeddings")  # their requests wait for the model
 TOKENIZING_THREADS = 4  # the app's thread pool: tokenizing (the Rust tokenizer runs without the GIL) and stopping
 
 
@@ -122,13 +123,15 @@ class Metrics:
 
 
 class MeasureAndGuard:
-    """ASGI middleware: each HTTP request's latency and status in the metrics, and 401 without the API key where one
-    is set (but on `OPEN_ROUTES`). A plain ASGI class, not `@app.middleware("http")`, whose per-request task and
-    streams cost a single query a visible share of its time. Requests to paths other than the app's `routes` are
-    counted under the route "other": a label per path a client makes up would grow the metrics without end."""
+    """ASGI middleware: each HTTP request's latency and status in the metrics; 401 without the API key where one is
+    set (but on `OPEN_ROUTES`); and 429 on `QUEUED_ROUTES` while the queue is full, before the body is read, parsed or
+    tokenized, so that refusing a request under overload costs the model's cores little (such a request, malformed or
+    not, gets 429: its retry gets the answer). A plain ASGI class, not `@app.middleware("http")`, whose per-request
+    task and streams cost a single query a visible share of its time. Requests to paths other than the app's `routes`
+    are counted under the route "other": a label per path a client makes up would grow the metrics without end."""
 
-    def __init__(self, app, metrics: Metrics, api_key: str | None, routes: frozenset[str]):
-        self.app, self.metrics, self.routes = app, metrics, routes
+    def __init__(self, app, metrics: Metrics, api_key: str | None, routes: frozenset[str], batcher: Batcher):
+        self.app, self.metrics, self.routes, self.batcher = app, metrics, routes, batcher
         self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
@@ -147,6 +150,8 @@ class MeasureAndGuard:
                 response = error_response(path, RouteError(401, "missing or wrong API key: send the header "
                                                                 "'Authorization: Bearer <key>'", "Unauthorized"))
                 await response(scope, receive, send_status)
+            elif path in QUEUED_ROUTES and scope["method"] == "POST" and self.batcher.full():
+                await error_response(path, overloaded(self.batcher))(scope, receive, send_status)
             else:
                 await self.app(scope, receive, send_status)
         finally:
@@ -222,8 +227,7 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         """The future of these inputs' rows, queued for the model: 429 when the queue is full."""
         future = batcher.submit(encodings)
         if future is None:
-            raise RouteError(429, f"the server is at its {limits.max_concurrent_requests} waiting requests "
-                                  "(--max-concurrent-requests); retry later", "Overloaded")
+            raise overloaded(batcher)
         return future
 
     async def rows_of(future: Future) -> torch.Tensor:
@@ -365,13 +369,19 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(MeasureAndGuard, metrics=metrics, api_key=limits.api_key,
-                       routes=frozenset(route.path for route in app.routes))
+                       routes=frozenset(route.path for route in app.routes), batcher=batcher)
     return app
 
 
 def backend_error(error: BaseException) -> RouteError:
     """The 500 of a request whose batch failed in the model."""
     return RouteError(500, f"the model failed on this request's batch: {error}", "Backend")
+
+
+def overloaded(batcher: Batcher) -> RouteError:
+    """The 429 of a request that finds the queue full."""
+    return RouteError(429, f"the server is at its {batcher.max_concurrent_requests} waiting requests "
+                           "(--max-concurrent-requests); retry later", "Overloaded")
 
 
 def article(word: str) -> str:

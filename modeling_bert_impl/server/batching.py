@@ -49,11 +49,15 @@ class Batcher:
             self.ready.notify()
         self.worker.join()
 
+    def full(self) -> bool:
+        """Whether `max_concurrent_requests` are waiting (overload): the next request is refused."""
+        return len(self.queue) >= self.max_concurrent_requests
+
     def submit(self, encodings: list[Encoding]) -> Future | None:
-        """Queue a request; its future, or None where `max_concurrent_requests` are waiting already (overload)."""
+        """Queue a request; its future, or None where the queue is `full`."""
         job = Job(encodings)
         with self.ready:
-            if len(self.queue) >= self.max_concurrent_requests:
+            if self.full():
                 return None
             self.queue.append(job)
             self.ready.notify()
