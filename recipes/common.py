@@ -8,12 +8,14 @@ folder is first on `sys.path`, so they import this module and its neighbours (`c
 `redaction`, `metrics`, `qa_utils`) by their plain names.
 """
 
+import gc
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
 
 import datasets
+import torch
 import transformers
 from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments
 
@@ -246,3 +248,14 @@ def finish(trainer: Trainer, model_args: ModelArguments, data_args: DataArgument
         from huggingface_hub import HfApi
 
         HfApi().upload_file(path_or_fileobj=readme, path_in_repo="README.md", repo_id=trainer.hub_model_id)
+
+
+def leave_process_group() -> None:
+    """The end of a distributed run (torchrun, accelerate launch), on every rank before the interpreter exits: what
+    still holds the process group freed (the Trainer's DDP model outlives `main` in reference cycles), then the group
+    left together. A gloo group torn down while the interpreter finalizes has aborted a rank ("terminate called without
+    an active exception") after a run that had finished and saved."""
+    gc.collect()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -241,3 +241,4 @@ def run(model_args: common.ModelArguments, data_args: DataArguments, training_ar
 
 if __name__ == "__main__":
     main()
+    common.leave_process_group()

@@ -418,3 +418,4 @@ def format_table(rows: dict, fine_tuning: float | None, num_layers: int) -> str:
 
 if __name__ == "__main__":
     main()
+    common.leave_process_group()

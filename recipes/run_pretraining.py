@@ -1135,8 +1135,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
-    # Every rank leaves the process group before the interpreter exits: a gloo group torn down at exit has aborted a
-    # rank ("terminate called without an active exception") after a run that had finished and saved.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    common.leave_process_group()

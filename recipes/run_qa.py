@@ -273,3 +273,4 @@ def main(argv: list[str] | None = None) -> Trainer:
 
 if __name__ == "__main__":
     main()
+    common.leave_process_group()

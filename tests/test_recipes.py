@@ -228,3 +228,28 @@ def test_run_glue_under_torchrun(minilm_dir, tmp_path):
     assert metrics["eval_samples"] == 16 and 0 <= metrics["eval_accuracy"] <= 1
     reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(out)
     assert type(reloaded) is BertImplForSequenceClassification
+
+
+LEAVE_GROUP = """
+import json, sys, weakref
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import common
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+holder = {"model": torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))}
+holder["self"] = holder  # a reference cycle, as the Trainer's objects form around its model
+model = weakref.ref(holder["model"])
+del holder
+held = model() is not None
+common.leave_process_group()
+print(json.dumps({"held": held, "freed": model() is None, "initialized": dist.is_initialized()}))
+"""
+
+
+def test_a_distributed_run_frees_its_model_and_leaves_the_group_before_exit(tmp_path):
+    """`common.leave_process_group` (each recipe's last call): the DDP model left in reference cycles after `main`,
+    which holds the gloo group, is freed while the interpreter is whole, then the group is left (one process here)."""
+    proc = subprocess.run([sys.executable, "-c", LEAVE_GROUP, str(RECIPES), str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"held": True, "freed": True, "initialized": False}
