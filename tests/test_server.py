@@ -529,25 +529,36 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_the_console_script_sizes_onednns_caches_loads_freezes_and_serves(monkeypatch, embedder):
+def test_the_console_script_sizes_onednns_caches_loads_freezes_and_serves(monkeypatch, minilm_dir):
     """main() sizes oneDNN's per-shape caches where the environment does not (before the model's first use of
     oneDNN), loads the model, sets every object made so far aside from the cycle collector (gc.freeze), then serves:
-    the collector's full passes no longer walk torch's and the model's objects."""
+    the collector's full passes no longer walk torch's and the model's objects. After serving it frees the model
+    (released by the engine, gc.unfreeze, a collection) before it returns: frozen, a compiled program would never be
+    freed, and would leave its unpacked package behind."""
     import gc
     import os
+    import weakref
 
     from modeling_bert_impl.server import cli
 
-    steps = []
+    steps, loaded = [], []
     monkeypatch.setattr(os, "environ", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"})  # set by the user: kept
     caches = lambda: (os.environ.get("LRU_CACHE_CAPACITY"), os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"])  # noqa: E731
-    monkeypatch.setattr("modeling_bert_impl.server.engine.Engine",
-                        lambda *args: steps.append(("load", caches())) or embedder)
+
+    def load(*args):
+        steps.append(("load", caches()))
+        engine = Engine(minilm_dir, FLOAT32)  # an engine of this call's own, to see its model freed
+        loaded.append(weakref.ref(engine.model))
+        return engine
+
+    monkeypatch.setattr("modeling_bert_impl.server.engine.Engine", load)
     monkeypatch.setattr(gc, "freeze", lambda: steps.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: steps.append("unfreeze"))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: steps.append(("serve", type(app).__name__, kwargs)))
     cli.main(["some-model", "--port", "8123"])
     assert steps == [("load", ("16", "64")), "freeze",
-                     ("serve", "FastAPI", {"host": "127.0.0.1", "port": 8123, "log_level": "info"})]
+                     ("serve", "FastAPI", {"host": "127.0.0.1", "port": 8123, "log_level": "info"}), "unfreeze"]
+    assert loaded[0]() is None  # freed before main returned
 
 
 def test_the_console_script_is_declared_and_parses(capsys):

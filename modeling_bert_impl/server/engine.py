@@ -142,6 +142,11 @@ class Engine:
         hidden = self.model(**inputs).last_hidden_state.float().cpu()  # (B, T, H)
         return pool(hidden, mask, self.pooling)
 
+    def close(self) -> None:
+        """Release the model (the engine serves no more): a compiled model's program, once freed, deletes the folder it
+        unpacked its package into."""
+        self.model = None
+
     def scores(self, logits: torch.Tensor, raw: bool) -> torch.Tensor:
         """A classifier's (B, C) logits as probabilities: softmax, or sigmoid for multi-label classification;
         `raw`: the logits."""
