@@ -88,9 +88,9 @@ def compile_for_inference(model: nn.Module, package_path: str | os.PathLike | No
     at least 2 tokens, at most 64 in all in float32 on an AVX2 CPU: `token_limit`; one padded query; padded batches
     too in an int8 model), no hidden states or attention maps asked for, no labels, inputs that need no gradient, run
     the encoder (embeddings, layers, pooler) as that program (a padded batch once per group of sequences of similar
-    length); the heads run as before, and every other call runs `optimize_for_inference`'s path. The weights are the model's at this call: changing the model
-    afterwards does not change the inference model (compile again). An int8 model's program runs `Int8Linear`'s traced
-    formulation.
+    length); the heads run as before, and every other call runs `optimize_for_inference`'s path. The weights are the
+    model's at this call: changing the model afterwards does not change the inference model (compile again). An int8
+    model's program runs `Int8Linear`'s traced formulation.
 
     `dtype=torch.bfloat16` (a CPU with AMX or AVX512-BF16, as `optimize_for_inference(dtype=torch.bfloat16)`): the
     program's products take their inputs rounded to bfloat16 and bfloat16 weights (`Bf16Product`), everything else in

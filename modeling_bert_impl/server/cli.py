@@ -110,7 +110,7 @@ def release(engine) -> None:
     """After serving: the engine's model released (the app keeps the engine: FastAPI's caches hold its routes), and
     what `freeze_garbage_collector` set aside collected again and collected now, while the interpreter is whole.
     Frozen objects are never freed, not even at exit, so a compiled model's program left behind the folder it unpacked
-    its package into (61 MB for all-MiniLM-L6-v2 in int8, at each start)."""
+    its package into (tens of MB in the temporary directory) at each start."""
     engine.close()
     gc.unfreeze()
     gc.collect()
