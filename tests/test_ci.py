@@ -1,5 +1,6 @@
 """`.ci/run`'s passes: a failing pass lets the later ones run, each prints its time and keeps its temporary files in
-its own folder, and the script fails at the end naming the failed passes (the helpers in .ci/passes.sh, driven with stand-in passes)."""
+its own folder, and the script fails at the end naming the failed passes (the helpers in .ci/passes.sh, driven with
+stand-in passes)."""
 
 import re
 import subprocess
