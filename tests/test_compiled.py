@@ -728,6 +728,24 @@ def test_an_int8_model_compiles(small_int8_package, encoder_state):
         bi.compile_for_inference(small_int8_model(encoder_state, seed=13), path)
 
 
+def test_an_int8_program_traces_the_exact_gelu_as_a_rational(small_int8_package, encoder_state):
+    """Each int8 layer's exact GELU is traced as `RationalGELU` (a float32 model's stays torch's, which oneDNN fuses
+    into the product): within 2.7e-7 max(1, |x|) of float64's GELU over all the range where float32's GELU is neither
+    x nor 0, a NaN kept; the int8 package's kernels call no erf."""
+    with zipfile.ZipFile(small_int8_package[1]) as package:
+        kernels = [package.read(n).decode() for n in package.namelist() if n.endswith(".kernel.cpp")]
+    assert kernels and not any(re.search(r"\berf\(", source) for source in kernels)
+    x = torch.linspace(-30, 30, 600_001, dtype=torch.float64)
+    got = compiled_encoder.RationalGELU()(x.float()).double()
+    assert ((got - F.gelu(x)).abs() / x.abs().clamp_min(1)).max().item() < 2.7e-7
+    assert compiled_encoder.RationalGELU()(torch.tensor([float("nan")])).isnan().all()
+    base = small_int8_model(encoder_state, seed=10).base_model
+    swaps = compiled_encoder.rational_gelus(base)
+    assert [(parent, name) for parent, name, _ in swaps] == [(layer.intermediate, "intermediate_act_fn")
+                                                             for layer in base.encoder.layer]
+    assert compiled_encoder.rational_gelus(small_model()) == []
+
+
 # One uint8 level of an activation: 1/127 of its row's largest |x|. Where an activation lies within a float32 rounding
 # of the edge between two levels, the program (whose kernels scale by a reciprocal where the traced formulation divides,
 # and accumulate the int8 products in int32 where it sums float32 ones) and the traced formulation can round it to

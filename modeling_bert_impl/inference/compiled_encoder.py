@@ -53,7 +53,7 @@ from .anatomy import joined, layer_sites
 from .frozen_model import InferenceModule, ModuleTree, fix_weights, inference_class, inference_copy
 from .fused_layers import UNMASKED_ATTENTION, QKVAttention, dense_attention, group_size
 from .package_file import read_manifest, write_manifest
-from .packed_linear import untraced
+from .packed_linear import is_exact_gelu, untraced
 from .quantization import Int8Linear
 from .serving import base_of, check_dtype, optimize_copy, refuse_foreign_products
 from .threads import QueryThreads
@@ -453,7 +453,8 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     products = dtype == torch.float32 and avx2_gemm.chosen(base)  # our products and attention, else attention only
     kernels = products or avx2_gemm.attention_chosen()
     attention = avx2_gemm.kernel_attention if kernels else dense_attention
-    with torch.no_grad(), avx2_gemm.kernel_modules(base) if products else joint_attention(base, dtype, attention):
+    with torch.no_grad(), avx2_gemm.kernel_modules(base) if products else joint_attention(base, dtype, attention), \
+            avx2_gemm.swapped(rational_gelus(base)):
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4)
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
@@ -501,6 +502,36 @@ class Bf16Product(nn.Module):
     def forward(self, x):  # (..., in) float32 -> (..., out) float32
         y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight).float()
         return y if self.bias is None else y + self.bias
+
+
+def rational_gelus(base: BertImplModel) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Where an int8 layer's exact GELU is to be traced as `RationalGELU` (for `avx2_gemm.swapped`): each layer whose
+    first feed-forward product is an `Int8Linear`."""
+    blocks = [layer.intermediate for layer in base.encoder.layer]
+    return [(block, "intermediate_act_fn", RationalGELU()) for block in blocks
+            if isinstance(block.dense, Int8Linear) and is_exact_gelu(block.intermediate_act_fn)]
+
+
+class RationalGELU(nn.Module):
+    """The exact (erf) GELU as an int8 program traces it: x (1 + erf(x / sqrt 2)) / 2 with erf(x / sqrt 2) as
+    c P(c^2) / Q(c^2), c = x clamped to +-5.5437174 (where erf is 1 in float32): the rational of degree 5 that the AVX2
+    kernel computes (`gelu8` in csrc/sgemm_avx2.cpp), within 2.7e-7 max(1, |x|) of float64's GELU (torch's float32
+    GELU: 3.5e-7). The next product quantizes the GELU's rows, and inductor computes the activation again for each of
+    its two passes over a row (its largest |value|, then its steps): with torch's erf (an exp called out of the loop,
+    and a division) each time, that loop was one of the program's costliest; this is about 20 multiply-adds, inlined
+    (benchmarks/NOTES.md, "int8", the program's GELU)."""
+
+    P = (4.496154e-08, 1.2704755e-05, 0.0003419076, 0.00937981, 0.06815178, 0.79788446)
+    Q = (1.189699e-06, 7.425571e-05, 0.0018965162, 0.028770968, 0.25208142, 1.0)
+    LIMIT = 5.5437174
+
+    def forward(self, x):  # (..., I) float32 -> (..., I)
+        c = x.clamp(-self.LIMIT, self.LIMIT)
+        t = c * c
+        p = functools.reduce(lambda acc, k: acc * t + k, self.P[1:], self.P[0])
+        q = functools.reduce(lambda acc, k: acc * t + k, self.Q[1:], self.Q[0])
+        half = x * 0.5
+        return half * (c * p / q) + half
 
 
 CPU_INT64 = lambda t: t.dtype == torch.int64 and t.device.type == "cpu"  # noqa: E731
