@@ -516,10 +516,10 @@ class RationalGELU(nn.Module):
     """The exact (erf) GELU as an int8 program traces it: x (1 + erf(x / sqrt 2)) / 2 with erf(x / sqrt 2) as
     c P(c^2) / Q(c^2), c = x clamped to +-5.5437174 (where erf is 1 in float32): the rational of degree 5 that the AVX2
     kernel computes (`gelu8` in csrc/sgemm_avx2.cpp), within 2.7e-7 max(1, |x|) of float64's GELU (torch's float32
-    GELU: 3.5e-7). The next product quantizes the GELU's rows, and inductor computes the activation again for each of
-    its two passes over a row (its largest |value|, then its steps): with torch's erf (an exp called out of the loop,
-    and a division) each time, that loop was one of the program's costliest; this is about 20 multiply-adds, inlined
-    (benchmarks/NOTES.md, "int8", the program's GELU)."""
+    GELU: 3.5e-7). The next product quantizes the GELU's rows: with torch's erf (an exp called out of the loop, and a
+    division) inductor computed the activation in each of the two passes over a row (its largest |value|, then its
+    steps), one of the program's costliest loops. This is about 20 multiply-adds, inlined, which inductor computes once
+    into a buffer of the row (benchmarks/NOTES.md, "int8", the program's GELU)."""
 
     P = (4.496154e-08, 1.2704755e-05, 0.0003419076, 0.00937981, 0.06815178, 0.79788446)
     Q = (1.189699e-06, 7.425571e-05, 0.0018965162, 0.028770968, 0.25208142, 1.0)
