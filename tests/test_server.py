@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 
-pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
 import uvicorn  # noqa: E402
 
 import modeling_bert_impl as bi  # noqa: E402
@@ -235,7 +235,7 @@ def test_tokenize_and_info(served, minilm_dir):
     assert [[t["id"] for t in tokens] for _, got, _ in answers for tokens in got] == tokenizer(
         texts, add_special_tokens=False)["input_ids"]
     with pytest.MonkeyPatch.context() as patch:  # a slow tokenizer (no offsets): its reason, not a bare 500
-        patch.setattr(served.app.state.engine, "backend", lambda max_length: None)
+        patch.setattr(served.app.engine, "backend", lambda max_length: None)
         status, body, _ = served.post("/tokenize", {"inputs": "x"})
     assert status == 400 and "/tokenize needs a fast (Rust) tokenizer" in body["error"]
     status, info, _ = served.get("/info")
@@ -259,7 +259,8 @@ def test_a_route_for_another_kind_of_model_says_so(served, classifier):
     ("/embed", {"inputs": "word " * 80}, 413, "input 0 has 82 tokens, more than the 64 allowed (--max-input-length); "
                                               "pass truncate: true to cut it"),
     ("/embed", {"inputs": []}, 422, "inputs cannot be empty"),
-    ("/embed", {"inputs": 5}, 422, "inputs: Input should be a valid string; or Input should be a valid list (got int)"),
+    ("/embed", {"inputs": 5}, 422, "inputs: Input should be a valid string; or Input should be a valid array "
+                                   "(got int)"),
     ("/embed", {"texts": ["a"]}, 422, "inputs: Field required (got dict)"),
     ("/embed", {"inputs": "a", "normalize": "maybe"}, 422, "normalize: Input should be a valid boolean"),
     ("/v1/embeddings", {"input": "a", "encoding_format": "int8"}, 422, "encoding_format: 'int8' is not 'float' or "
@@ -341,7 +342,7 @@ def test_a_full_queue_answers_429_with_retry_after(embedder):
             while not gated.held:
                 time.sleep(0.01)
             second = pool.submit(server.post, "/embed", {"inputs": "two"})  # waits in the queue
-            while not server.app.state.batcher.queue:
+            while not server.app.batcher.queue:
                 time.sleep(0.01)
             status, body, headers = server.post("/embed", {"inputs": "three"})
             assert status == 429 and headers["Retry-After"] == "1" and body["error_type"] == "Overloaded"
@@ -371,7 +372,7 @@ def test_concurrent_clients_each_get_their_own_answer_from_shared_batches(embedd
     try:
         with ThreadPoolExecutor(32) as pool:
             futures = [pool.submit(server.post, "/embed", {"inputs": text}) for text in texts]
-            while gated.held + len(server.app.state.batcher.queue) < 32:  # a batch at the gate, the others queued
+            while gated.held + len(server.app.batcher.queue) < 32:  # a batch at the gate, the others queued
                 time.sleep(0.01)
             gated.gate.set()
             answers = [f.result() for f in futures]
@@ -465,6 +466,8 @@ def test_metrics_count_batches_and_requests(served):
                  'bert_impl_request_duration_seconds_bucket{le="0.005",route="/embed"}', "bert_impl_requests_total"):
         assert name in metrics
     assert served.get("/no/such/route-7")[0] == 404
+    status, body, _ = served.get("/embed")
+    assert status == 405 and body["error"] == "/embed takes POST, not GET"
     metrics = served.get("/metrics")[1]  # a path a client makes up is counted as "other", not a label of its own
     assert 'bert_impl_requests_total{route="other",status="404"}' in metrics and "route-7" not in metrics
 
@@ -557,7 +560,8 @@ def test_the_console_script_sizes_onednns_caches_loads_freezes_and_serves(monkey
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: steps.append(("serve", type(app).__name__, kwargs)))
     cli.main(["some-model", "--port", "8123"])
     assert steps == [("load", ("16", "64")), "freeze",
-                     ("serve", "FastAPI", {"host": "127.0.0.1", "port": 8123, "log_level": "info"}), "unfreeze"]
+                     ("serve", "App", {"host": "127.0.0.1", "port": 8123, "log_level": "info", "access_log": False}),
+                     "unfreeze"]
     assert loaded[0]() is None  # freed before main returned
 
 
@@ -572,6 +576,7 @@ def test_the_console_script_is_declared_and_parses(capsys):
     args = cli.parse_args(["some-model"])
     assert (args.host, args.port, args.max_batch_tokens, args.max_client_batch_size, args.max_concurrent_requests) == (
         "127.0.0.1", 8080, None, 32, 512)
+    assert not args.access_log and cli.parse_args(["some-model", "--access-log"]).access_log
     with pytest.raises(SystemExit):
         cli.parse_args(["some-model", "--int8"])
     assert "--int8 needs --calibration FILE" in capsys.readouterr().err

@@ -1,38 +1,44 @@
 """The HTTP routes: text-embeddings-inference's (`/embed`, `/predict`, `/rerank`, `/tokenize`, `/info`, `/health`,
 `/metrics`, and `/` as TEI routes it by the model's kind) and OpenAI's `/v1/embeddings`, over one `Engine` and its
-`Batcher`.
+`Batcher`, as a plain ASGI application (`App`) that uvicorn serves.
+
+A request's way: its route looked up in a dict; 401 without the API key where one is set; 429 with Retry-After on the
+model's routes while the queue is full, before the body is read; the body validated by its pydantic model straight
+from the JSON bytes (pydantic's Rust parser); then its route. Tokenizing runs in a thread pool of the app's own, never
+on the event loop, and queues the request for the model from there; the event loop wakes once more for the request,
+when its rows are ready. Answers are JSON written by orjson, the embeddings straight from their float32 arrays (each
+number as float32's shortest repr, as text-embeddings-inference writes them). No web framework between uvicorn and the
+routes: FastAPI's and Starlette's routing, middleware and request parsing took a single request about a quarter of a
+millisecond (benchmarks/NOTES.md, "The server's own time").
 
 Every route answers its errors in its API's shape: TEI's `{"error", "error_type"}`, OpenAI's `{"error": {"message",
 "type", "param", "code"}}`; 422 for a malformed body (the field named), 413 for too many inputs or too long an input
-(the limit named), 429 with Retry-After when the queue is full, 401 without the API key where one is set, 500 for a
-batch that failed (the server goes on). Tokenizing runs in a thread pool of the app's own, never on the event loop, and
-queues the request for the model from there; the event loop wakes once more for the request, when its rows are ready.
-JSON is written by orjson, the embeddings straight from their float32 arrays (each number as float32's shortest
-repr, as text-embeddings-inference writes them).
+(the limit named), 429 with Retry-After when the queue is full, 401 without the API key where one is set, 404 and 405
+for a path or method the server does not have, 500 for a batch that failed (the server goes on).
 """
 
 import asyncio
 import base64
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import orjson
 import torch
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from ..inference import free_thread_pool
 from .batching import Batcher
 from .engine import Encoding, Engine, normalize
 
+logger = logging.getLogger("bert_impl.serve")
 OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key: probes and scrapers
 QUEUED_ROUTES = ("/", "/embed", "/predict", "/rerank", "/v1/embeddings")  # their requests wait for the model
 TOKENIZING_THREADS = 4  # the app's thread pool: tokenizing (the Rust tokenizer runs without the GIL) and stopping
+JSON_TYPE = b"application/json"
 
 
 # Real tokens in one batch where none are chosen: text-embeddings-inference's 16384 on a GPU; on a CPU, where the
@@ -54,12 +60,19 @@ class Limits:
     api_key: str | None = None
 
 
-class JSON(JSONResponse):
-    """A JSON response written by orjson: numpy arrays as lists (float32 ones in float32's shortest repr), NaN as
-    null."""
+@dataclass
+class Reply:
+    """An answer as it goes out: status, body, content type, more headers."""
 
-    def render(self, content) -> bytes:
-        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+    status: int
+    body: bytes
+    content_type: bytes = JSON_TYPE
+    headers: tuple = ()
+
+
+def json_reply(content, status: int = 200, headers: tuple = ()) -> Reply:
+    """`content` as JSON by orjson: numpy arrays as lists (float32 ones in float32's shortest repr), NaN as null."""
+    return Reply(status, orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY), JSON_TYPE, headers)
 
 
 class RouteError(Exception):
@@ -122,88 +135,118 @@ class Metrics:
         self.batch_tokens.observe(tokens)
 
 
-class MeasureAndGuard:
-    """ASGI middleware: each HTTP request's latency and status in the metrics; 401 without the API key where one is
-    set (but on `OPEN_ROUTES`); and 429 on `QUEUED_ROUTES` while the queue is full, before the body is read, parsed or
-    tokenized, so that refusing a request under overload costs the model's cores little (such a request, malformed or
-    not, gets 429: its retry gets the answer). A plain ASGI class, not `@app.middleware("http")`, whose per-request
-    task and streams cost a single query a visible share of its time. Requests to paths other than the app's `routes`
-    are counted under the route "other": a label per path a client makes up would grow the metrics without end."""
+@dataclass
+class Route:
+    """A route: its method, its handler (given the body as `body_model`, validated, for a POST) and the model."""
 
-    def __init__(self, app, metrics: Metrics, api_key: str | None, routes: frozenset[str], batcher: Batcher):
-        self.app, self.metrics, self.routes, self.batcher = app, metrics, routes, batcher
-        self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
+    method: str
+    handler: Callable[..., Awaitable]
+    body_model: type[BaseModel] | None = None
 
+
+class App:
+    """The ASGI application serving `engine` within `limits`; its model worker starts and stops with the lifespan
+    (stopping finishes the requests queued). Each HTTP request's latency and status go to the metrics; requests to
+    paths the app does not have are counted under the route "other" (a label per path a client makes up would grow the
+    metrics without end)."""
+
+    def __init__(self, engine: Engine, limits: Limits = Limits()):
+        self.engine, self.limits = engine, limits
+        self.max_input_length = min(limits.max_input_length or engine.max_input_length, engine.max_input_length)
+        self.max_batch_tokens = limits.max_batch_tokens or BATCH_TOKENS.get(engine.device.type, BATCH_TOKENS["cuda"])
+        self.batcher = Batcher(engine.run, self.max_batch_tokens, limits.max_batch_requests,
+                               limits.max_concurrent_requests)
+        self.metrics = Metrics(self.batcher)
+        self.batcher.on_batch = self.metrics.batch
+        self.pool = ThreadPoolExecutor(TOKENIZING_THREADS, thread_name_prefix="bert-impl-tokenize")
+        self.authorization = None if limits.api_key is None else f"Bearer {limits.api_key}".encode()
+        self.routes = {"/": Route("POST", self.root), "/embed": Route("POST", self.embed, Embed),
+                       "/predict": Route("POST", self.predict, Predict), "/rerank": Route("POST", self.rerank, Rerank),
+                       "/tokenize": Route("POST", self.tokenize, Tokenize),
+                       "/v1/embeddings": Route("POST", self.openai_embeddings, OpenAIEmbeddings),
+                       "/info": Route("GET", self.info), "/health": Route("GET", self.health),
+                       "/metrics": Route("GET", self.prometheus)}
+
+    # --- ASGI ------------------------------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, path, status = time.perf_counter(), scope["path"], [500]
-
-        async def send_status(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
+        if scope["type"] == "lifespan":
+            return await self.lifespan(receive, send)
+        if scope["type"] != "http":  # websockets: not served (uvicorn refuses the handshake)
+            return
+        start, path = time.perf_counter(), scope["path"]
         try:
-            if self.authorization is not None and path not in OPEN_ROUTES and dict(scope["headers"]).get(
-                    b"authorization") != self.authorization:
-                response = error_response(path, RouteError(401, "missing or wrong API key: send the header "
-                                                                "'Authorization: Bearer <key>'", "Unauthorized"))
-                await response(scope, receive, send_status)
-            elif path in QUEUED_ROUTES and scope["method"] == "POST" and self.batcher.full():
-                await error_response(path, overloaded(self.batcher))(scope, receive, send_status)
-            else:
-                await self.app(scope, receive, send_status)
-        finally:
-            route = path if path in self.routes else "other"
-            self.metrics.latency.labels(route).observe(time.perf_counter() - start)
-            self.metrics.requests.labels(route, str(status[0])).inc()
+            reply = await self.answer(scope, receive, path)
+        except RouteError as error:
+            reply = error_reply(path, error)
+        except Exception as error:  # a bug of ours: the request gets 500, the server goes on
+            logger.exception("%s %s failed", scope["method"], path)
+            reply = error_reply(path, RouteError(500, f"internal error: {error}", "Backend"))
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [(b"content-type", reply.content_type),
+                                (b"content-length", str(len(reply.body)).encode()), *reply.headers]})
+        await send({"type": "http.response.body", "body": reply.body})
+        route = path if path in self.routes else "other"
+        self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+        self.metrics.requests.labels(route, str(reply.status)).inc()
 
+    async def answer(self, scope, receive, path: str) -> Reply:
+        """The request's reply: 401 without the API key where one is set (but on `OPEN_ROUTES`); 429 on
+        `QUEUED_ROUTES` while the queue is full, before the body is read, parsed or tokenized, so that refusing a
+        request under overload costs the model's cores little (such a request, malformed or not, gets 429: its retry
+        gets the answer); 404, 405; else the route's."""
+        if self.authorization is not None and path not in OPEN_ROUTES and header(scope, b"authorization") != \
+                self.authorization:
+            raise RouteError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                             "Unauthorized")
+        method = scope["method"]
+        if path in QUEUED_ROUTES and method == "POST" and self.batcher.full():
+            raise overloaded(self.batcher)
+        route = self.routes.get(path)
+        if route is None:
+            raise RouteError(404, f"no route {path}", "NotFound")
+        if method != route.method:
+            raise RouteError(405, f"{path} takes {route.method}, not {method}", "MethodNotAllowed")
+        if method == "GET":
+            return await route.handler()
+        body = await read_body(receive)
+        return await route.handler(validated(route.body_model, body) if route.body_model else body)
 
-def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
-    """The ASGI app serving `engine` within `limits`; its model worker starts and stops with the app's lifespan
-    (stopping finishes the requests queued)."""
-    max_input_length = min(limits.max_input_length or engine.max_input_length, engine.max_input_length)
-    max_batch_tokens = limits.max_batch_tokens or BATCH_TOKENS.get(engine.device.type, BATCH_TOKENS["cuda"])
-    batcher = Batcher(engine.run, max_batch_tokens, limits.max_batch_requests, limits.max_concurrent_requests)
-    metrics = Metrics(batcher)
-    batcher.on_batch = metrics.batch
+    async def lifespan(self, receive, send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                free_thread_pool()  # the model computes on the worker from now on; this thread (which loaded it) holds
+                self.batcher.start()  # a pool
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await asyncio.get_running_loop().run_in_executor(self.pool, self.batcher.stop)
+                self.pool.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
-    pool = ThreadPoolExecutor(TOKENIZING_THREADS, thread_name_prefix="bert-impl-tokenize")
-
-    @asynccontextmanager
-    async def lifespan(app):
-        free_thread_pool()  # the model computes on the worker from now on; this thread (which loaded it) holds a pool
-        batcher.start()
-        yield
-        await asyncio.get_running_loop().run_in_executor(pool, batcher.stop)
-        pool.shutdown()
-
-    app = FastAPI(title="bert-impl-serve", lifespan=lifespan, default_response_class=JSON)
-    app.state.batcher, app.state.engine = batcher, engine
-
-    def check_count(inputs: list, param: str = "inputs") -> None:
+    # --- the model's work ------------------------------------------------------------------------------------------
+    def check_count(self, inputs: list, param: str = "inputs") -> None:
         if not inputs:
             raise RouteError(422, f"{param} cannot be empty", param=param)
-        if len(inputs) > limits.max_client_batch_size:
+        if len(inputs) > self.limits.max_client_batch_size:
             raise RouteError(413, f"batch size {len(inputs)} > maximum allowed batch size "
-                                  f"{limits.max_client_batch_size} (--max-client-batch-size)", param=param)
+                                  f"{self.limits.max_client_batch_size} (--max-client-batch-size)", param=param)
 
-    async def text_rows(texts: list, truncate: bool) -> tuple[list[Encoding], torch.Tensor]:
+    async def text_rows(self, texts: list, truncate: bool) -> tuple[list[Encoding], torch.Tensor]:
         """The texts' token ids and the model's output rows for them: tokenized and queued in the app's thread pool,
         where the model worker takes them from, and the event loop woken once, by the rows; 413 for too many texts,
         or for one too long without `truncate`."""
-        check_count(texts)
+        self.check_count(texts)
         answer = Future()  # (encodings, rows) or the request's error: set by the tokenizing thread or the model worker
-        pool.submit(tokenize_and_queue, texts, truncate, answer)
+        self.pool.submit(self.tokenize_and_queue, texts, truncate, answer)
         return await asyncio.wrap_future(answer)
 
-    def tokenize_and_queue(texts: list, truncate: bool, answer: Future) -> None:
+    def tokenize_and_queue(self, texts: list, truncate: bool, answer: Future) -> None:
         if not answer.set_running_or_notify_cancel():  # the request is gone; running, it can no longer be cancelled
             return
         try:
-            encodings = engine.encode(texts, max_input_length if truncate else None)
-            rows = queue([check_length(e, i) for i, e in enumerate(encodings)])
+            encodings = self.engine.encode(texts, self.max_input_length if truncate else None)
+            rows = self.queue([self.check_length(e, i) for i, e in enumerate(encodings)])
         except Exception as error:  # 413, 429, or the tokenizer's own
             answer.set_exception(error)
             return
@@ -216,62 +259,39 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
 
         rows.add_done_callback(pass_on)
 
-    def check_length(encoding, index: int):
-        if len(encoding.ids) > max_input_length:
+    def check_length(self, encoding: Encoding, index: int) -> Encoding:
+        if len(encoding.ids) > self.max_input_length:
             raise RouteError(413, f"input {index} has {len(encoding.ids)} tokens, more than the "
-                                  f"{max_input_length} allowed (--max-input-length); pass truncate: true to cut it",
-                             param="inputs")
+                                  f"{self.max_input_length} allowed (--max-input-length); pass truncate: true to cut "
+                                  "it", param="inputs")
         return encoding
 
-    def queue(encodings: list) -> Future:
+    def queue(self, encodings: list) -> Future:
         """The future of these inputs' rows, queued for the model: 429 when the queue is full."""
-        future = batcher.submit(encodings)
+        future = self.batcher.submit(encodings)
         if future is None:
-            raise overloaded(batcher)
+            raise overloaded(self.batcher)
         return future
 
-    async def rows_of(future: Future) -> torch.Tensor:
-        try:
-            return await asyncio.wrap_future(future)
-        except Exception as error:
-            raise backend_error(error) from error
+    def needs(self, kinds: tuple[str, ...], route: str) -> None:
+        if self.engine.kind not in kinds:
+            raise RouteError(400, f"{route} needs {article(kinds[0])} {' or '.join(kinds)} model; "
+                                  f"{self.engine.model_id} is {article(self.engine.kind)} {self.engine.kind} model")
 
-    def needs(kinds: tuple[str, ...], route: str) -> None:
-        if engine.kind not in kinds:
-            raise RouteError(400, f"{route} needs {article(kinds[0])} {' or '.join(kinds)} model; {engine.model_id} "
-                                  f"is {article(engine.kind)} {engine.kind} model")
-
-    @app.exception_handler(RouteError)
-    async def route_error(request: Request, error: RouteError):
-        return error_response(request.url.path, error)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError):
-        errors = error.errors()
-        first = errors[0]
-        if first["type"] == "json_invalid":
-            message, field = f"body: not valid JSON ({first['ctx']['error']} at character {first['loc'][-1]})", "body"
-        else:  # every way the field failed (a union's branches), and what came
-            field = str(first["loc"][1]) if len(first["loc"]) > 1 else "body"
-            expected = dict.fromkeys(e["msg"] for e in errors if (e["loc"][1:2] or ("body",))[0] == field)
-            message = f"{field}: {'; or '.join(expected)} (got {type(first.get('input')).__name__})"
-        return error_response(request.url.path, RouteError(422, message, param=field))
-
-    @app.post("/embed")
-    async def embed(body: Embed):
-        needs(("embedding",), "/embed")
+    # --- routes ----------------------------------------------------------------------------------------------------
+    async def embed(self, body: Embed) -> Reply:
+        self.needs(("embedding",), "/embed")
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-        _, rows = await text_rows(texts, body.truncate)
-        return JSON((normalize(rows) if body.normalize else rows).numpy())
+        _, rows = await self.text_rows(texts, body.truncate)
+        return json_reply((normalize(rows) if body.normalize else rows).numpy())
 
-    @app.post("/predict")
-    async def predict(body: Predict):
-        answers, single = await predictions(body)
-        return JSON(answers[0] if single else answers)
+    async def predict(self, body: Predict) -> Reply:
+        answers, single = await self.predictions(body)
+        return json_reply(answers[0] if single else answers)
 
-    async def predictions(body: Predict) -> tuple[list, bool]:
+    async def predictions(self, body: Predict) -> tuple[list, bool]:
         """Each input's labels and scores, best first; and whether the request held one input."""
-        needs(("classifier", "reranker"), "/predict")
+        self.needs(("classifier", "reranker"), "/predict")
         inputs = body.inputs
         single = isinstance(inputs, str) or (len(inputs) == 2 and all(isinstance(t, str) for t in inputs))
         if single:  # a text, or two strings: one pair, as text-embeddings-inference reads them
@@ -281,96 +301,124 @@ def create_app(engine: Engine, limits: Limits = Limits()) -> FastAPI:
                 raise RouteError(422, "inputs: each input is a text, or a list of one or two texts (a pair)",
                                  param="inputs")
             texts = [t if isinstance(t, str) else t[0] if len(t) == 1 else tuple(t) for t in inputs]
-        _, rows = await text_rows(texts, body.truncate)
-        scores = engine.scores(rows.view(len(texts), -1), body.raw_scores)
-        labels = engine.config.id2label
+        _, rows = await self.text_rows(texts, body.truncate)
+        scores = self.engine.scores(rows.view(len(texts), -1), body.raw_scores)
+        labels = self.engine.config.id2label
         answers = [sorted(({"score": s, "label": labels[i]} for i, s in enumerate(row.tolist())),
                           key=lambda a: -a["score"]) for row in scores]
         return answers, single
 
-    @app.post("/rerank")
-    async def rerank(body: Rerank):
-        needs(("reranker",), "/rerank")
-        _, rows = await text_rows([(body.query, text) for text in body.texts], body.truncate)
+    async def rerank(self, body: Rerank) -> Reply:
+        self.needs(("reranker",), "/rerank")
+        _, rows = await self.text_rows([(body.query, text) for text in body.texts], body.truncate)
         scores = rows if body.raw_scores else rows.sigmoid()
         ranked = sorted(range(len(body.texts)), key=lambda i: -scores[i].item())
-        return JSON([{"index": i, "score": scores[i].item(), **({"text": body.texts[i]} if body.return_text else {})}
-                     for i in ranked])
+        return json_reply([{"index": i, "score": scores[i].item(),
+                            **({"text": body.texts[i]} if body.return_text else {})} for i in ranked])
 
-    @app.post("/tokenize")
-    async def tokenize(body: Tokenize):
+    async def tokenize(self, body: Tokenize) -> Reply:
         texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
         try:
-            tokens = await asyncio.get_running_loop().run_in_executor(pool, engine.tokens, texts,
+            tokens = await asyncio.get_running_loop().run_in_executor(self.pool, self.engine.tokens, texts,
                                                                       body.add_special_tokens)
         except ValueError as error:  # a tokenizer without offsets (not a fast one)
             raise RouteError(400, str(error)) from error
-        return [[{"id": token, "text": text, "special": bool(special), "start": start if not special else None,
-                  "stop": stop if not special else None}
-                 for token, text, special, (start, stop) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets)]
-                for e in tokens]
+        return json_reply([[{"id": token, "text": text, "special": bool(special),
+                             "start": start if not special else None, "stop": stop if not special else None}
+                            for token, text, special, (start, stop) in zip(e.ids, e.tokens, e.special_tokens_mask,
+                                                                           e.offsets)]
+                           for e in tokens])
 
-    @app.post("/v1/embeddings")
-    async def openai_embeddings(body: OpenAIEmbeddings):
-        needs(("embedding",), "/v1/embeddings")
+    async def openai_embeddings(self, body: OpenAIEmbeddings) -> Reply:
+        self.needs(("embedding",), "/v1/embeddings")
         if body.encoding_format not in ("float", "base64"):
             raise RouteError(422, f"encoding_format: {body.encoding_format!r} is not 'float' or 'base64'",
                              param="encoding_format")
         given = [body.input] if isinstance(body.input, str) or (body.input and isinstance(body.input[0], int)) \
             else body.input
         if given and isinstance(given[0], str):
-            encodings, rows = await text_rows(given, truncate=False)
+            encodings, rows = await self.text_rows(given, truncate=False)
         else:  # token ids, as OpenAI's clients send them for some models
-            check_count(given, "input")
-            encodings = [check_length(token_ids(ids), i) for i, ids in enumerate(given)]
-            rows = await rows_of(queue(encodings))
+            self.check_count(given, "input")
+            encodings = [self.check_length(self.token_ids(ids), i) for i, ids in enumerate(given)]
+            try:
+                rows = await asyncio.wrap_future(self.queue(encodings))
+            except Exception as error:
+                raise backend_error(error) from error
         rows = normalize(rows).numpy()  # (B, H) float32
         data = [{"object": "embedding", "index": i,
                  "embedding": row if body.encoding_format == "float" else base64.b64encode(row.tobytes()).decode()}
                 for i, row in enumerate(rows)]
         tokens = sum(len(e.ids) for e in encodings)
-        return JSON({"object": "list", "data": data, "model": body.model or engine.model_id,
-                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        return json_reply({"object": "list", "data": data, "model": body.model or self.engine.model_id,
+                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    def token_ids(ids: list[int]) -> Encoding:
-        vocabulary = engine.config.vocab_size
+    def token_ids(self, ids: list[int]) -> Encoding:
+        vocabulary = self.engine.config.vocab_size
         if not ids or any(not 0 <= i < vocabulary for i in ids):
             raise RouteError(422, f"input: token ids must be in [0, {vocabulary})", param="input")
         return Encoding(list(ids), [0] * len(ids))
 
-    @app.post("/")
-    async def root(request: Request):
+    async def root(self, body: bytes) -> Reply:
         """TEI's route for clients that post to the server's address: /embed or /predict by the model's kind."""
-        try:
-            payload = await request.json()
-        except ValueError as error:
-            raise RouteError(422, f"body: not JSON ({error})", param="body") from error
-        if engine.kind == "embedding":
-            return await embed(validated(Embed, payload))
-        answers, _ = await predictions(validated(Predict, payload))
-        return JSON(answers)  # a list per input, as huggingface_hub's InferenceClient reads it
+        if self.engine.kind == "embedding":
+            return await self.embed(validated(Embed, body))
+        answers, _ = await self.predictions(validated(Predict, body))
+        return json_reply(answers)  # a list per input, as huggingface_hub's InferenceClient reads it
 
-    @app.get("/info")
-    async def info():
-        return {**engine.info(), "max_input_length": max_input_length, "max_batch_tokens": max_batch_tokens,
-                "max_batch_requests": limits.max_batch_requests,
-                "max_client_batch_size": limits.max_client_batch_size,
-                "max_concurrent_requests": limits.max_concurrent_requests}
+    async def info(self) -> Reply:
+        limits = self.limits
+        return json_reply({**self.engine.info(), "max_input_length": self.max_input_length,
+                           "max_batch_tokens": self.max_batch_tokens, "max_batch_requests": limits.max_batch_requests,
+                           "max_client_batch_size": limits.max_client_batch_size,
+                           "max_concurrent_requests": limits.max_concurrent_requests})
 
-    @app.get("/health")
-    async def health():
+    async def health(self) -> Reply:
         """200 while the model worker runs (liveness and readiness: the model is loaded before the port opens)."""
-        if not batcher.worker.is_alive():
+        if not self.batcher.worker.is_alive():
             raise RouteError(503, "the model worker is not running", "Unhealthy")
-        return Response(status_code=200)
+        return Reply(200, b"", b"text/plain")
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(self) -> Reply:
+        return Reply(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode())
 
-    app.add_middleware(MeasureAndGuard, metrics=metrics, api_key=limits.api_key,
-                       routes=frozenset(route.path for route in app.routes), batcher=batcher)
-    return app
+
+def create_app(engine: Engine, limits: Limits = Limits()) -> App:
+    """The ASGI app serving `engine` within `limits`."""
+    return App(engine, limits)
+
+
+def header(scope, name: bytes) -> bytes | None:
+    """A request header's value (names come lowercase from the server), or None."""
+    return next((value for key, value in scope["headers"] if key == name), None)
+
+
+async def read_body(receive) -> bytes:
+    """The request's whole body."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise RouteError(400, "the client went away before its body came", param="body")
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def validated(model: type[BaseModel], body: bytes):
+    """The JSON `body` as `model` (pydantic parses and validates the bytes at once), or 422 naming the field: every way
+    it failed (a union's branches) and what came; or, for a body that is not JSON, where it stops being JSON."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        errors = error.errors()
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise RouteError(422, f"body: not valid JSON ({first['ctx']['error']})", param="body") from None
+        field = str(first["loc"][0]) if first["loc"] else "body"
+        expected = dict.fromkeys(e["msg"] for e in errors if str((e["loc"] or ("body",))[0]) == field)
+        message = f"{field}: {'; or '.join(expected)} (got {type(first.get('input')).__name__})"
+        raise RouteError(422, message, param=field) from None
 
 
 def backend_error(error: BaseException) -> RouteError:
@@ -388,23 +436,13 @@ def article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def validated(model: type[BaseModel], payload):
-    """`payload` as `model`, or the same 422 a route's own body gets."""
-    from pydantic import ValidationError
-
-    try:
-        return model.model_validate(payload)
-    except ValidationError as error:
-        raise RequestValidationError(error.errors()) from error
-
-
-def error_response(route: str, error: RouteError) -> JSON:
+def error_reply(route: str, error: RouteError) -> Reply:
     """An error in the shape of the route's API, with Retry-After on 429."""
-    headers = {"Retry-After": "1"} if error.status == 429 else None
+    headers = ((b"retry-after", b"1"),) if error.status == 429 else ()
     if route.startswith("/v1/"):
         kind = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error"}.get(
             error.status, "invalid_request_error")
         body = {"error": {"message": error.message, "type": kind, "param": error.param, "code": None}}
     else:
         body = {"error": error.message, "error_type": error.error_type}
-    return JSON(body, status_code=error.status, headers=headers)
+    return json_reply(body, error.status, headers)

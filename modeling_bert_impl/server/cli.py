@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens in one input at most (default and ceiling: the model's)")
     parser.add_argument("--api-key", default=os.environ.get("BERT_IMPL_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $BERT_IMPL_API_KEY; none: open)")
+    parser.add_argument("--access-log", action="store_true",
+                        help="log a line per request (uvicorn's access log; off by default: writing it costs a "
+                             "request a tenth of a millisecond or more, and /metrics counts the requests)")
     args = parser.parse_args(argv)
     if args.int8 and not args.calibration:
         parser.error("--int8 needs --calibration FILE: texts like those to be served, one a line")
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
                     args.max_concurrent_requests, args.max_input_length, args.api_key)
     app = create_app(engine, limits)
     freeze_garbage_collector()
-    serve(lambda: uvicorn.run(app, host=args.host, port=args.port, log_level="info"), engine)
+    serve(lambda: uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                                    access_log=args.access_log), engine)
 
 
 def serve(run, engine) -> None:
@@ -107,7 +111,7 @@ def freeze_garbage_collector() -> None:
 
 
 def release(engine) -> None:
-    """After serving: the engine's model released (the app keeps the engine: FastAPI's caches hold its routes), and
+    """After serving: the engine's model released (the app, which keeps the engine, may outlive serving), and
     what `freeze_garbage_collector` set aside collected again and collected now, while the interpreter is whole.
     Frozen objects are never freed, not even at exit, so a compiled model's program left behind the folder it unpacked
     its package into (tens of MB in the temporary directory) at each start."""
