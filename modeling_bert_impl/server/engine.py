@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import cached_file
 
@@ -192,10 +191,6 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
     if pooling == "mean":
         return (hidden * real).sum(1) / real.sum(1).clamp_min(1)
     return hidden.masked_fill(real == 0, float("-inf")).amax(1)
-
-
-def normalize(embeddings: torch.Tensor) -> torch.Tensor:
-    return F.normalize(embeddings, dim=-1)
 
 
 def sentence_transformers_pooling(model_id: str) -> tuple[str, bool]:
