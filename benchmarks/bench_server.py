@@ -21,8 +21,9 @@ Two more parts, bert-impl's server alone:
     python benchmarks/bench_server.py --part overload --seconds 300   # 64 clients past a queue of 16
 
 - overhead: single sentences one after another, through the server (one client) and through the same engine called in
-  this process (tokenizer and forward, as the server's worker runs them), alternating in blocks; p50 of each and the
-  difference.
+  this process (tokenizer and forward, as the server's worker runs them), alternating in blocks of the same sentences
+  (which goes first alternating too); p50 of each and the difference, and the median of the blocks' paired
+  differences.
 - overload: `--max-concurrent-requests 16`, 64 clients each sending its own sentences back to back for `--seconds`;
   every answer is 200 or 429, each 200 is checked against its own sentence's embedding (computed first, one at a
   time; cosine at least 0.999, since in bfloat16 a sentence batched with others differs from it alone in the third
@@ -233,8 +234,10 @@ def post(connection, route: str, texts: list[str]) -> tuple[int, dict | None]:
     return response.status, json.loads(body) if response.status == 200 else None
 
 
-def overhead(sentences: list[str], rounds: int = 20, block: int = 25):
-    """p50 of one sentence through the server with one client, and through the same engine in this process."""
+def overhead(sentences: list[str], rounds: int = 50, block: int = 10):
+    """p50 of one sentence through the server with one client, and through the same engine in this process; and the
+    median over rounds of the difference between the two's block medians, each round's block of the same sentences
+    (the model's own time drifts by a millisecond between runs on a shared machine: pairing takes the drift out)."""
     import torch
 
     from modeling_bert_impl.server.engine import Engine, EngineChoice
@@ -246,25 +249,31 @@ def overhead(sentences: list[str], rounds: int = 20, block: int = 25):
     torch.set_num_threads(engine.info()["threads"])
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     times = {"server": [], "engine": []}
+    paired = []
     rng = random.Random(3)
     try:
-        for _ in range(rounds):
-            for name in ("server", "engine"):
-                for _ in range(block):
-                    text = [rng.choice(sentences)]
+        for round_ in range(rounds):
+            texts = [[rng.choice(sentences)] for _ in range(block)]
+            medians = {}
+            for name in ("server", "engine") if round_ % 2 else ("engine", "server"):
+                block_times = []
+                for text in texts:
                     start_time = time.perf_counter()
                     if name == "server":
                         assert post(connection, "/v1/embeddings", text)[0] == 200
                     else:
                         engine.run(engine.encode(text))
-                    times[name].append(time.perf_counter() - start_time)
+                    block_times.append(time.perf_counter() - start_time)
+                times[name] += block_times
+                medians[name] = statistics.median(block_times)
+            paired.append(medians["server"] - medians["engine"])
     finally:
         process.terminate()
         process.wait(timeout=60)
     p50 = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"one sentence of 8..128 tokens, {engine.info()['model_dtype']}: server p50 {p50['server']:.2f} ms, engine's "
-          f"own call p50 {p50['engine']:.2f} ms: the server adds {p50['server'] - p50['engine']:.2f} ms "
-          f"(load {loadavg()})")
+          f"own call p50 {p50['engine']:.2f} ms: the server adds {p50['server'] - p50['engine']:.2f} ms; paired by "
+          f"round (the same sentences): {statistics.median(paired) * 1e3:.2f} ms (load {loadavg()})")
 
 
 def rss_mb(pid: int) -> float:
