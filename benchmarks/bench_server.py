@@ -164,8 +164,8 @@ def commands(args, port: int, workdir: str) -> dict:
 
 
 def start(command: list[str], port: int, cwd: str | None = None) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
-           "ST_MODEL": minilm_dir()}  # st-fastapi's model
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "INFINITY_ANONYMOUS_USAGE_STATS": "0", "ST_MODEL": minilm_dir()}  # st-fastapi's model
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server logging every request would fill a pipe and stall
     process = subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
@@ -221,7 +221,10 @@ def load(port: int, route: str, work: list[list[list[str]]], seconds: float) -> 
         t.join()
     wall = time.perf_counter() - began
     latencies.sort()
-    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3 if latencies else float("nan")
+
+    def pick(q: float) -> float:
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3 if latencies else float("nan")
+
     return {"sentences_per_s": sentences[0] / wall, "p50_ms": pick(0.5), "p99_ms": pick(0.99),
             "requests": len(latencies), "errors": errors[0]}
 
@@ -335,7 +338,8 @@ def main():
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--max-requests", type=int, default=5000, help="per client, at most")
     parser.add_argument("--infinity-venv", default="/tmp/bench-infinity-venv")
-    parser.add_argument("--serve-args", default="", help="more flags for bert-impl-serve, e.g. '--max-batch-tokens 4096'")
+    parser.add_argument("--serve-args", default="",
+                        help="more flags for bert-impl-serve, e.g. '--max-batch-tokens 4096'")
     parser.add_argument("--output", default=None, help="a JSON file for the results")
     parser.add_argument("--plot", default=None, help="a PNG of sentences/s against p99, a panel per workload")
     args = parser.parse_args()
@@ -375,10 +379,11 @@ def main():
             others = [r for n, r in rows.items() if not n.startswith("bert-impl")]
             ours = [r for n, r in rows.items() if n.startswith("bert-impl")]
             if others and ours:
-                best, mine = max(others, key=lambda r: r["sentences_per_s"]), max(
-                    ours, key=lambda r: r["sentences_per_s"])
-                print(f"{workload:6s} {clients:3d} clients: {mine['server']} {mine['sentences_per_s'] / best['sentences_per_s']:.2f}x "
-                      f"{best['server']}, p99 {mine['p99_ms']:.0f} vs {best['p99_ms']:.0f} ms")
+                best = max(others, key=lambda r: r["sentences_per_s"])
+                mine = max(ours, key=lambda r: r["sentences_per_s"])
+                ratio = mine["sentences_per_s"] / best["sentences_per_s"]
+                print(f"{workload:6s} {clients:3d} clients: {mine['server']} {ratio:.2f}x {best['server']}, "
+                      f"p99 {mine['p99_ms']:.0f} vs {best['p99_ms']:.0f} ms")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(results, f, indent=1)

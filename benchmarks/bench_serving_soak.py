@@ -53,7 +53,6 @@ def calls(count: int, vocab: int, seed: int = 0, max_rows: int = 8, dense: float
 
 
 def model_for(path: str, model_dir: str, package_dir: str):
-    import torch
     import transformers
 
     import modeling_bert_impl as bi
