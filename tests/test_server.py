@@ -466,8 +466,8 @@ def test_metrics_count_batches_and_requests(served):
                  'bert_impl_request_duration_seconds_bucket{le="0.005",route="/embed"}', "bert_impl_requests_total"):
         assert name in metrics
     assert served.get("/no/such/route-7")[0] == 404
-    status, body, _ = served.get("/embed")
-    assert status == 405 and body["error"] == "/embed takes POST, not GET"
+    status, body, headers = served.get("/embed")
+    assert status == 405 and body["error"] == "/embed takes POST, not GET" and headers["Allow"] == "POST"
     metrics = served.get("/metrics")[1]  # a path a client makes up is counted as "other", not a label of its own
     assert 'bert_impl_requests_total{route="other",status="404"}' in metrics and "route-7" not in metrics
 

@@ -79,9 +79,11 @@ def json_reply(content, status: int = 200, headers: tuple = ()) -> Reply:
 class RouteError(Exception):
     """An answer other than 200: its status, message, TEI's error type and the field or limit it names."""
 
-    def __init__(self, status: int, message: str, error_type: str = "Validation", param: str | None = None):
+    def __init__(self, status: int, message: str, error_type: str = "Validation", param: str | None = None,
+                 headers: tuple = ()):
         super().__init__(message)
         self.status, self.message, self.error_type, self.param = status, message, error_type, param
+        self.headers = headers  # more response headers: (name, value) bytes
 
 
 class Embed(BaseModel):
@@ -206,7 +208,8 @@ class App:
         if route is None:
             raise RouteError(404, f"no route {path}", "NotFound")
         if method != route.method:
-            raise RouteError(405, f"{path} takes {route.method}, not {method}", "MethodNotAllowed")
+            raise RouteError(405, f"{path} takes {route.method}, not {method}", "MethodNotAllowed",
+                             headers=((b"allow", route.method.encode()),))
         if method == "GET":
             return await route.handler()
         body = await read_body(receive)
@@ -216,8 +219,9 @@ class App:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                free_thread_pool()  # the model computes on the worker from now on; this thread (which loaded it) holds
-                self.batcher.start()  # a pool
+                # the model computes on the worker from now on; this thread, which loaded it, holds an OpenMP pool
+                free_thread_pool()
+                self.batcher.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await asyncio.get_running_loop().run_in_executor(self.pool, self.batcher.stop)
@@ -455,8 +459,9 @@ def article(word: str) -> str:
 
 
 def error_reply(route: str, error: RouteError) -> Reply:
-    """An error in the shape of the route's API, with Retry-After on 429."""
-    headers = ((b"retry-after", b"1"),) if error.status == 429 else ()
+    """An error in the shape of the route's API, with Retry-After on 429 and the error's own headers (Allow on
+    405)."""
+    headers = error.headers + (((b"retry-after", b"1"),) if error.status == 429 else ())
     if route.startswith("/v1/"):
         kind = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error"}.get(
             error.status, "invalid_request_error")
