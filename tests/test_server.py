@@ -278,6 +278,16 @@ def test_limits_and_bad_input_are_answered_with_what_is_wrong(served, route, pay
         assert body["error_type"] == "Validation"
 
 
+def test_openai_route_names_its_own_field_in_a_limits_answer(served):
+    """OpenAI's route calls its texts `input`: the 413s of its limits name that field, not TEI's `inputs`."""
+    for payload, message in [({"input": ["a"] * 9}, "batch size 9 > maximum allowed batch size 8"),
+                             ({"input": "word " * 80}, "input 0 has 82 tokens"),
+                             ({"input": [[7] * 70]}, "input 0 has 70 tokens")]:
+        status, body, _ = served.post("/v1/embeddings", payload)
+        assert status == 413 and body["error"]["message"].startswith(message), body
+        assert body["error"]["param"] == "input"
+
+
 def test_truncate_cuts_an_input_to_the_limit_and_malformed_json_is_named(served, embedder):
     status, got, _ = served.post("/embed", {"inputs": "word " * 80, "truncate": True})
     cut = embedder.tokenizer("word " * 80, truncation=True, max_length=64)["input_ids"]

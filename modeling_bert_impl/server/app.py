@@ -237,23 +237,25 @@ class App:
             raise RouteError(413, f"batch size {len(inputs)} > maximum allowed batch size "
                                   f"{self.limits.max_client_batch_size} (--max-client-batch-size)", param=param)
 
-    async def text_rows(self, texts: list, truncate: bool) -> tuple[list[Encoding], torch.Tensor]:
+    async def text_rows(self, texts: list, truncate: bool,
+                        param: str = "inputs") -> tuple[list[Encoding], torch.Tensor]:
         """The texts' token ids and the model's output rows for them: tokenized and queued in the app's thread pool,
         where the model worker takes them from, and the event loop woken once, by the rows (the worker hands them to
-        the loop itself); 413 for too many texts, or for one too long without `truncate`."""
-        self.check_count(texts)
+        the loop itself); 413 for too many texts, or for one too long without `truncate`, naming the body's field
+        `param`."""
+        self.check_count(texts, param)
         loop = asyncio.get_running_loop()
         answer = loop.create_future()  # (encodings, rows) or the request's error
-        self.pool.submit(self.tokenize_and_queue, texts, truncate, loop, answer)
+        self.pool.submit(self.tokenize_and_queue, texts, truncate, param, loop, answer)
         return await answer
 
-    def tokenize_and_queue(self, texts: list, truncate: bool, loop, answer: asyncio.Future) -> None:
+    def tokenize_and_queue(self, texts: list, truncate: bool, param: str, loop, answer: asyncio.Future) -> None:
         """In the thread pool: tokenize, queue, and have the model worker settle `answer` on the loop."""
         if answer.cancelled():  # the request is gone
             return
         try:
             encodings = self.engine.encode(texts, self.max_input_length if truncate else None)
-            rows = self.queue([self.check_length(e, i) for i, e in enumerate(encodings)])
+            rows = self.queue([self.check_length(e, i, param) for i, e in enumerate(encodings)])
         except Exception as error:  # 413, 429, or the tokenizer's own
             loop.call_soon_threadsafe(settle, answer, None, error)
             return
@@ -265,11 +267,11 @@ class App:
 
         rows.add_done_callback(pass_on)
 
-    def check_length(self, encoding: Encoding, index: int) -> Encoding:
+    def check_length(self, encoding: Encoding, index: int, param: str = "inputs") -> Encoding:
         if len(encoding.ids) > self.max_input_length:
             raise RouteError(413, f"input {index} has {len(encoding.ids)} tokens, more than the "
                                   f"{self.max_input_length} allowed (--max-input-length); pass truncate: true to cut "
-                                  "it", param="inputs")
+                                  "it", param=param)
         return encoding
 
     def queue(self, encodings: list) -> Future:
@@ -343,10 +345,10 @@ class App:
         given = [body.input] if isinstance(body.input, str) or (body.input and isinstance(body.input[0], int)) \
             else body.input
         if given and isinstance(given[0], str):
-            encodings, rows = await self.text_rows(given, truncate=False)
+            encodings, rows = await self.text_rows(given, truncate=False, param="input")
         else:  # token ids, as OpenAI's clients send them for some models
             self.check_count(given, "input")
-            encodings = [self.check_length(self.token_ids(ids), i) for i, ids in enumerate(given)]
+            encodings = [self.check_length(self.token_ids(ids), i, "input") for i, ids in enumerate(given)]
             try:
                 rows = await asyncio.wrap_future(self.queue(encodings))
             except Exception as error:
