@@ -15,19 +15,24 @@ Servers (each a process of its own on 127.0.0.1, started, warmed up, measured, s
   this machine's pip gives);
 - st-fastapi: a FastAPI route around sentence-transformers' `encode`, one forward per request, as people write it.
 
-Two more parts, bert-impl's server alone:
+Three more parts, bert-impl alone:
 
     python benchmarks/bench_server.py --part overhead      # one client: the server's p50 against the engine's own call
     python benchmarks/bench_server.py --part overload --seconds 300   # 64 clients past a queue of 16
+    python benchmarks/bench_server.py --part engine --servers "bert-impl int8"   # the engine's own sentences/s
 
 - overhead: single sentences one after another, through the server (one client) and through the same engine called in
   this process (tokenizer and forward, as the server's worker runs them), alternating in blocks of the same sentences
   (which goes first alternating too); p50 of each and the difference, and the median of the blocks' paired
-  differences.
+  differences. Then the floor under any server on the machine: the round trip of a plain ASGI app under uvicorn that
+  answers a fixed embedding at once, asked by the same client right after each call of the engine in this process (as
+  a server is asked after its model ran) and asked back to back.
 - overload: `--max-concurrent-requests 16`, 64 clients each sending its own sentences back to back for `--seconds`;
   every answer is 200 or 429, each 200 is checked against its own sentence's embedding (computed first, one at a
   time; cosine at least 0.999, since in bfloat16 a sentence batched with others differs from it alone in the third
   digit), and the server's RSS is sampled every 10 s.
+- engine: each bert-impl engine of `--servers` in this process, no server, on each workload's requests packed into
+  batches as the server's worker packs them, back to back for `--seconds`: the ceiling of that engine's server here.
 
 Every server gets OpenAI's embeddings request (`input`: a list of texts). Workloads: one sentence of 8..128 tokens a
 request, and 1..32 such sentences a request, drawn with a fixed seed from a corpus of words of the model's vocabulary.
@@ -79,6 +84,20 @@ def embeddings(body: dict):
 @app.get("/health")
 def health():
     return {}
+'''
+NOOP_APP = '''
+BODY = (b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":['
+        + b",".join([b"0.0123456"] * 384) + b']}],"model":"minilm","usage":{"prompt_tokens":1,"total_tokens":1}}')
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    message = await receive()
+    while message.get("more_body"):
+        message = await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": BODY})
 '''
 
 
@@ -240,7 +259,9 @@ def post(connection, route: str, texts: list[str]) -> tuple[int, dict | None]:
 def overhead(sentences: list[str], rounds: int = 50, block: int = 10):
     """p50 of one sentence through the server with one client, and through the same engine in this process; and the
     median over rounds of the difference between the two's block medians, each round's block of the same sentences
-    (the model's own time drifts by a millisecond between runs on a shared machine: pairing takes the drift out)."""
+    (the model's own time drifts by a millisecond between runs on a shared machine: pairing takes the drift out).
+    Then the floor under any server here: a plain ASGI app under uvicorn answering a fixed embedding at once, asked
+    right after each engine call (the cores' state a server meets after its model ran) and back to back."""
     import torch
 
     from modeling_bert_impl.server.engine import Engine, EngineChoice
@@ -277,6 +298,70 @@ def overhead(sentences: list[str], rounds: int = 50, block: int = 10):
     print(f"one sentence of 8..128 tokens, {engine.info()['model_dtype']}: server p50 {p50['server']:.2f} ms, engine's "
           f"own call p50 {p50['engine']:.2f} ms: the server adds {p50['server'] - p50['engine']:.2f} ms; paired by "
           f"round (the same sentences): {statistics.median(paired) * 1e3:.2f} ms (load {loadavg()})")
+    with tempfile.TemporaryDirectory() as workdir:
+        with open(os.path.join(workdir, "noop_app.py"), "w") as f:
+            f.write(NOOP_APP)
+        port = free_port()
+        process = start([sys.executable, "-m", "uvicorn", "--app-dir", workdir, "noop_app:app", "--port", str(port),
+                         "--log-level", "warning", "--no-access-log"], port)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        after, back_to_back = [], []
+        try:
+            for _ in range(rounds * block):
+                text = [rng.choice(sentences)]
+                engine.run(engine.encode(text))
+                start_time = time.perf_counter()
+                assert post(connection, "/v1/embeddings", text)[0] == 200
+                after.append(time.perf_counter() - start_time)
+            for _ in range(rounds * block):
+                start_time = time.perf_counter()
+                assert post(connection, "/v1/embeddings", [rng.choice(sentences)])[0] == 200
+                back_to_back.append(time.perf_counter() - start_time)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    print(f"a plain ASGI app answering a fixed embedding at once, the same client: p50 "
+          f"{statistics.median(after) * 1e3:.2f} ms asked right after each engine call, "
+          f"{statistics.median(back_to_back) * 1e3:.2f} ms asked back to back (load {loadavg()})")
+
+
+def engine_alone(sentences: list[str], args) -> None:
+    """Each bert-impl engine of `--servers` called in this process, no server: each workload's requests packed as the
+    server's worker packs them (whole requests up to its batch of tokens, tokenized before timing) and run back to back
+    for `--seconds`: the most sentences/s a server of that engine could answer on this machine."""
+    import torch
+
+    from modeling_bert_impl.server.app import BATCH_TOKENS
+    from modeling_bert_impl.server.engine import Engine, EngineChoice
+
+    with tempfile.TemporaryDirectory() as workdir:
+        calibration = os.path.join(workdir, "calibration.txt")  # as `commands` writes it for the int8 server
+        with open(calibration, "w") as f:
+            f.write("\n".join(corpus(transformers.AutoTokenizer.from_pretrained(minilm_dir()), count=256, seed=1)))
+        choices = {"bert-impl": EngineChoice(), "bert-impl fp32": EngineChoice(dtype="float32"),
+                   "bert-impl int8": EngineChoice(int8_calibration=calibration, compile=True)}
+        for name in [s for s in args.servers if s in choices]:
+            engine = Engine(minilm_dir(), choices[name])
+            torch.set_num_threads(engine.info()["threads"])
+            for workload in args.workloads:
+                batches, batch, tokens = [], [], 0
+                for request in requests(sentences, workload, 2000, seed=7):
+                    encodings = engine.encode(request)
+                    size = sum(len(e.ids) for e in encodings)
+                    if batch and tokens + size > BATCH_TOKENS["cpu"]:
+                        batches, batch, tokens = batches + [batch], [], 0
+                    batch, tokens = batch + encodings, tokens + size
+                engine.run(batches[0])  # warm-up
+                done, began = 0, time.perf_counter()
+                while time.perf_counter() - began < args.seconds:
+                    for batch in batches:
+                        engine.run(batch)
+                        done += len(batch)
+                        if time.perf_counter() - began >= args.seconds:
+                            break
+                print(f"{name:20s} {workload:6s} engine alone, batches of up to {BATCH_TOKENS['cpu']} tokens: "
+                      f"{done / (time.perf_counter() - began):8.1f} sentences/s (load {loadavg()})", flush=True)
+            engine.close()
 
 
 def rss_mb(pid: int) -> float:
@@ -329,7 +414,7 @@ def overload(sentences: list[str], seconds: float, clients: int = 64):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["servers", "overhead", "overload"], default="servers")
+    parser.add_argument("--part", choices=["servers", "overhead", "overload", "engine"], default="servers")
     parser.add_argument("--servers", nargs="+", default=["bert-impl", "bert-impl fp32", "bert-impl int8",
                                                          "infinity-torch", "infinity-torch-bf16", "infinity-torch-int8",
                                                          "infinity-onnx", "st-fastapi"])
@@ -349,6 +434,8 @@ def main():
         return overhead(sentences)
     if args.part == "overload":
         return overload(sentences, args.seconds)
+    if args.part == "engine":
+        return engine_alone(sentences, args)
     print(f"# {os.uname().machine}, {os.cpu_count()} CPUs, bfloat16 units: {cpu_bf16_units()}; loadavg {loadavg()}")
     results = []
     with tempfile.TemporaryDirectory() as workdir:
