@@ -24,7 +24,7 @@ Three more parts, bert-impl alone:
 - overhead: single sentences one after another, through the server (one client) and through the same engine called in
   this process (tokenizer and forward, as the server's worker runs them), alternating in blocks of the same sentences
   (which goes first alternating too); p50 of each and the difference, and the median of the blocks' paired
-  differences. Then the floor under any server on the machine: the round trip of a plain ASGI app under uvicorn that
+  differences. Then the floor under any server behind uvicorn on the machine: the round trip of a plain ASGI app that
   answers a fixed embedding at once, asked by the same client right after each call of the engine in this process (as
   a server is asked after its model ran) and asked back to back.
 - overload: `--max-concurrent-requests 16`, 64 clients each sending its own sentences back to back for `--seconds`;
@@ -260,7 +260,7 @@ def overhead(sentences: list[str], rounds: int = 50, block: int = 10):
     """p50 of one sentence through the server with one client, and through the same engine in this process; and the
     median over rounds of the difference between the two's block medians, each round's block of the same sentences
     (the model's own time drifts by a millisecond between runs on a shared machine: pairing takes the drift out).
-    Then the floor under any server here: a plain ASGI app under uvicorn answering a fixed embedding at once, asked
+    Then the floor under any server behind uvicorn here: a plain ASGI app answering a fixed embedding at once, asked
     right after each engine call (the cores' state a server meets after its model ran) and back to back."""
     import torch
 
