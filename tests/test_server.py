@@ -372,6 +372,21 @@ def test_a_full_queue_answers_429_with_retry_after(embedder):
         server.stop()
 
 
+def test_a_queue_filled_after_the_entry_check_answers_429_on_every_path(embedder, monkeypatch):
+    """The queue may fill between a request's check at the door and its queueing (other requests being tokenized):
+    it then gets 429 too, on the text path and on OpenAI's token-id path alike, not a 500."""
+    server = Server(embedder)
+    try:
+        monkeypatch.setattr(server.app.batcher, "submit", lambda encodings: None)  # full by the time it queues
+        ids = embedder.tokenizer("three")["input_ids"]
+        for route, body in [("/embed", {"inputs": "three"}), ("/v1/embeddings", {"input": "three"}),
+                            ("/v1/embeddings", {"input": ids}), ("/v1/embeddings", {"input": [ids, ids]})]:
+            status, answer, headers = server.post(route, body)
+            assert status == 429 and headers["Retry-After"] == "1", (route, body, status, answer)
+    finally:
+        server.stop()
+
+
 def test_concurrent_clients_each_get_their_own_answer_from_shared_batches(embedder, minilm_dir):
     """32 clients at once, each its own input: each answer is its own input's embedding, and the model ran them in
     fewer batches than requests (the requests that came while one batch ran form the next)."""
@@ -403,10 +418,14 @@ def test_a_failing_batch_fails_its_own_requests_and_the_server_goes_on(embedder)
     try:
         status, body, _ = server.post("/embed", {"inputs": ["fine", "fail"]})
         assert status == 500 and body["error_type"] == "Backend" and "a fault inside the model" in body["error"]
+        status, body, _ = server.post("/v1/embeddings", {"input": embedder.tokenizer("fail")["input_ids"]})
+        assert status == 500 and body["error"]["type"] == "server_error"
+        assert "a fault inside the model" in body["error"]["message"]
         assert server.post("/embed", {"inputs": "fine"})[0] == 200
         metrics = server.get("/metrics")[1]
         assert 'bert_impl_requests_total{route="/embed",status="500"} 1.0' in metrics
         assert 'bert_impl_requests_total{route="/embed",status="200"} 1.0' in metrics
+        assert 'bert_impl_requests_total{route="/v1/embeddings",status="500"} 1.0' in metrics
     finally:
         server.stop()
 

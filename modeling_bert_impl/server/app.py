@@ -250,17 +250,22 @@ class App:
         return await answer
 
     def tokenize_and_queue(self, texts: list, truncate: bool, param: str, loop, answer: asyncio.Future) -> None:
-        """In the thread pool: tokenize, queue, and have the model worker settle `answer` on the loop."""
+        """In the thread pool: tokenize, then `queue_and_settle`; a 413, 429 or the tokenizer's own error settles
+        `answer` at once."""
         if answer.cancelled():  # the request is gone
             return
         try:
             encodings = self.engine.encode(texts, self.max_input_length if truncate else None)
-            rows = self.queue([self.check_length(e, i, param) for i, e in enumerate(encodings)])
-        except Exception as error:  # 413, 429, or the tokenizer's own
+            self.queue_and_settle([self.check_length(e, i, param) for i, e in enumerate(encodings)], loop, answer)
+        except Exception as error:
             loop.call_soon_threadsafe(settle, answer, None, error)
-            return
 
-        def pass_on(done: Future) -> None:  # on the model worker, as the batch ends
+    def queue_and_settle(self, encodings: list, loop, answer: asyncio.Future) -> None:
+        """Queue the inputs (429 when the queue is full) and have the model worker settle `answer` on the loop as
+        their batch ends: (encodings, rows), or the 500 of a batch that failed."""
+        rows = self.queue(encodings)
+
+        def pass_on(done: Future) -> None:  # on the model worker
             error = done.exception()
             loop.call_soon_threadsafe(settle, answer, None if error else (encodings, done.result()),
                                       error and backend_error(error))
@@ -348,11 +353,11 @@ class App:
             encodings, rows = await self.text_rows(given, truncate=False, param="input")
         else:  # token ids, as OpenAI's clients send them for some models
             self.check_count(given, "input")
+            loop = asyncio.get_running_loop()
+            answer = loop.create_future()  # (encodings, rows) or the request's error
             encodings = [self.check_length(self.token_ids(ids), i, "input") for i, ids in enumerate(given)]
-            try:
-                rows = await asyncio.wrap_future(self.queue(encodings))
-            except Exception as error:
-                raise backend_error(error) from error
+            self.queue_and_settle(encodings, loop, answer)
+            encodings, rows = await answer
         rows = normalize(rows.numpy())  # (B, H) float32
         data = [{"object": "embedding", "index": i,
                  "embedding": row if body.encoding_format == "float" else base64.b64encode(row.tobytes()).decode()}
