@@ -45,6 +45,7 @@ ratio of bert-impl's sentences/s to the best other server's at the same point; a
 import argparse
 import http.client
 import json
+import math
 import os
 import random
 import shutil
@@ -121,6 +122,15 @@ def corpus(tokenizer, count: int = 2000, seed: int = 0) -> list[str]:
     return sentences
 
 
+def calibration_file(workdir: str) -> str:
+    """The int8 engine's calibration texts, a line each, in `workdir`: texts like those served, not the ones
+    measured."""
+    path = os.path.join(workdir, "calibration.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(corpus(transformers.AutoTokenizer.from_pretrained(minilm_dir()), count=256, seed=1)) + "\n")
+    return path
+
+
 def requests(sentences: list[str], workload: str, count: int, seed: int) -> list[list[str]]:
     rng = random.Random(seed)
     size = (lambda: 1) if workload == "single" else (lambda: rng.randint(1, 32))
@@ -152,10 +162,7 @@ def commands(args, port: int, workdir: str) -> dict:
     model = minilm_dir()
     bin_dir = os.path.dirname(sys.executable)
     serve = [os.path.join(bin_dir, "bert-impl-serve"), model, "--port", str(port), *args.serve_args.split()]
-    calibration = os.path.join(workdir, "calibration.txt")  # texts like those served, not the ones measured
-    if "bert-impl int8" in args.servers:
-        with open(calibration, "w") as f:
-            f.write("\n".join(corpus(transformers.AutoTokenizer.from_pretrained(model), count=256, seed=1)) + "\n")
+    calibration = calibration_file(workdir)
     out = {"bert-impl": (serve, "/v1/embeddings", None),
            "bert-impl fp32": (serve + ["--dtype", "float32"], "/v1/embeddings", None),
            "bert-impl int8": (serve + ["--int8", "--calibration", calibration, "--compile"], "/v1/embeddings", None)}
@@ -332,25 +339,23 @@ def engine_alone(sentences: list[str], args) -> None:
     import torch
 
     from modeling_bert_impl.server.app import BATCH_TOKENS
+    from modeling_bert_impl.server.batching import Batcher
     from modeling_bert_impl.server.engine import Engine, EngineChoice
 
     with tempfile.TemporaryDirectory() as workdir:
-        calibration = os.path.join(workdir, "calibration.txt")  # as `commands` writes it for the int8 server
-        with open(calibration, "w") as f:
-            f.write("\n".join(corpus(transformers.AutoTokenizer.from_pretrained(minilm_dir()), count=256, seed=1)))
         choices = {"bert-impl": EngineChoice(), "bert-impl fp32": EngineChoice(dtype="float32"),
-                   "bert-impl int8": EngineChoice(int8_calibration=calibration, compile=True)}
+                   "bert-impl int8": EngineChoice(int8_calibration=calibration_file(workdir), compile=True)}
         for name in [s for s in args.servers if s in choices]:
             engine = Engine(minilm_dir(), choices[name])
             torch.set_num_threads(engine.info()["threads"])
             for workload in args.workloads:
-                batches, batch, tokens = [], [], 0
+                batcher = Batcher(engine.run, BATCH_TOKENS["cpu"], None, math.inf)  # its worker not started
                 for request in requests(sentences, workload, 2000, seed=7):
-                    encodings = engine.encode(request)
-                    size = sum(len(e.ids) for e in encodings)
-                    if batch and tokens + size > BATCH_TOKENS["cpu"]:
-                        batches, batch, tokens = batches + [batch], [], 0
-                    batch, tokens = batch + encodings, tokens + size
+                    batcher.submit(engine.encode(request))
+                batches = []
+                with batcher.ready:
+                    while batcher.queue:
+                        batches.append([e for job in batcher.take() for e in job.encodings])
                 engine.run(batches[0])  # warm-up
                 done, began = 0, time.perf_counter()
                 while time.perf_counter() - began < args.seconds:

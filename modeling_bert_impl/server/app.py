@@ -357,7 +357,7 @@ class App:
             answer = loop.create_future()  # (encodings, rows) or the request's error
             encodings = [self.check_length(self.token_ids(ids), i, "input") for i, ids in enumerate(given)]
             self.queue_and_settle(encodings, loop, answer)
-            encodings, rows = await answer
+            _, rows = await answer
         rows = normalize(rows.numpy())  # (B, H) float32
         data = [{"object": "embedding", "index": i,
                  "embedding": row if body.encoding_format == "float" else base64.b64encode(row.tobytes()).decode()}
