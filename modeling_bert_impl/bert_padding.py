@@ -60,17 +60,21 @@ def pad(x: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torc
     return out.unflatten(0, (batch, seqlen))
 
 
-def sequence_starts(position_ids: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """The first token of each packed sequence, (nnz,) bool: where `seq_idx` (the index of each token's sequence)
-    changes, else where `position_ids` restart at 0 after a position that is not 0; token 0 always starts one.
+def sequence_starts(position_ids: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None,
+                    row_length: int | None = None) -> torch.Tensor:
+    """The first token of each packed sequence, (B * T,) bool over the flattened rows: where `seq_idx` (the index of
+    each token's sequence) changes, else where `position_ids` restart at 0 after a position that is not 0; the first
+    token of each row (every `row_length` tokens; token 0 where None) always starts one.
 
     A packed BERT sequence holds at least [CLS] and [SEP], so a run of zeros never marks one-token sequences: it is one
-    sequence whose positions are all 0 (captum's usual baseline), as stock BERT reads it."""
+    sequence whose positions are all 0 (captum's usual baseline), as stock BERT read it up to transformers 5.24 and
+    reads it with an attention mask (docs/model.md)."""
     if seq_idx is not None:
         starts = F.pad(seq_idx[1:] != seq_idx[:-1], (1, 0))
     else:
         starts = (position_ids == 0) & F.pad(position_ids[:-1] != 0, (1, 0))
-    return starts.index_fill(0, torch.zeros(1, dtype=torch.long, device=starts.device), True)
+    tokens = torch.arange(starts.numel(), device=starts.device)
+    return starts | (tokens % (row_length or starts.numel()) == 0)
 
 
 def packed_position_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -310,12 +314,15 @@ _register_custom_ops()
 # ---------------------------------------------------------------------------------------------------------------------
 # Packing markers
 # ---------------------------------------------------------------------------------------------------------------------
-def cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, num_sequences: int | None) -> torch.Tensor:
-    """The (S + 1,) int32 boundaries of a packed (1, nnz) batch, from whichever marker the collator gave.
+def cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, num_sequences: int | None,
+                            row_length: int | None = None) -> torch.Tensor:
+    """The (S + 1,) int32 boundaries of a packed batch's sequences in its flattened (B * T) tokens, from whichever
+    marker the collator gave (position_ids (B, T), restarting in rows of `row_length` tokens; the other markers (1, T)).
     num_sequences: S read on the host (eager, no further sync), or None when traced."""
     if cu_seq_lens_q is not None:
         return cu_seq_lens_q.flatten().to(torch.int32)
-    starts = sequence_starts(*(t.flatten() if t is not None else None for t in (position_ids, seq_idx)))  # (nnz,)
+    starts = sequence_starts(*(t.flatten() if t is not None else None for t in (position_ids, seq_idx)),
+                             row_length)  # (B * T,)
     if num_sequences is None:
         boundaries = torch.ops.bert_impl.nonzero(starts)  # (S,)
     else:

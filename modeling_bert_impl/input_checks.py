@@ -53,11 +53,11 @@ class BatchFacts(NamedTuple):
     traced graph does not)."""
 
     marked: bool  # cu_seq_lens_q or seq_idx given: packing markers that need no read
-    packable: bool  # marked, or one row of position_ids without a mask (packed where they restart)
+    packable: bool  # marked, or position_ids without a mask (packed where they restart)
     mask_has_padding: bool | None  # a 0 in the attention mask (None: traced with a mask and no markers: unknown)
     nnz: int | None  # real tokens
     max_seqlen: int | None  # the longest sequence
-    num_sequences: int | None  # S found by the packing markers (1 where none mark sequences)
+    num_sequences: int | None  # S found by the packing markers (B where none mark sequences)
 
 
 class Batch(NamedTuple):
@@ -67,7 +67,7 @@ class Batch(NamedTuple):
     attention_mask: torch.Tensor | None  # (B, T) over the tokens (a (B, C + T) mask over cached keys split off)
     facts: BatchFacts
     packs: torch.Tensor | None  # (S + 1,) int32: where the sequences of a packed batch start and end; None unpacked
-    position_ids: torch.Tensor | None  # as given, or (1, T) restarting at 0 in each packed sequence
+    position_ids: torch.Tensor | None  # as given, or (1, T) restarting at 0 in each sequence packed by the markers
     max_seqlen: int | None  # the longest sequence: read on the host, or given (max_length_q); None when traced
     cache: object | None  # a transformers Cache of C keys and values per layer (prefix tuning), or None
     cache_length: int  # C
@@ -84,19 +84,21 @@ def read_batch(config, input_ids, attention_mask, token_type_ids, position_ids, 
     attention_mask, cache_checks = split_cache_mask(attention_mask, C, input_ids, inputs_embeds)  # (B, T)
     B, T, facts = check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                cu_seq_lens_q, cu_seq_lens_k, seq_idx, [*cache_checks, *label_checks], position_offset)
-    packed = is_packed(facts)
-    packs = cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, position_ids, facts.num_sequences) if packed else None
+    packed = is_packed(facts, B)
+    rows = position_ids.expand(B, T) if packed and position_ids is not None else position_ids  # (B, T)
+    packs = cu_seqlens_from_markers(cu_seq_lens_q, seq_idx, rows, facts.num_sequences, T) if packed else None
     if packs is not None and position_ids is None:
         position_ids = packed_position_ids(packs, T) + position_offset  # (1, T)
     return Batch((B, T), attention_mask, facts, packs, position_ids, facts.max_seqlen or max_length_q, cache, C,
                  has_rows_to_skip(facts, packed))
 
 
-def is_packed(facts: BatchFacts) -> bool:
-    """Sequences packed in one row: marked, or (eager) more than one found where position_ids restart, or (under
-    torch.compile, which reads nothing) a row of position_ids without a mask; under torch.export only the markers."""
+def is_packed(facts: BatchFacts, B: int) -> bool:
+    """Sequences packed in rows: marked (one row), or (eager) more sequences than rows found where position_ids restart
+    (as transformers' BERT reads them from 5.25 on: `DataCollatorWithFlattening`'s one row, or several), or (under
+    torch.compile, which reads nothing) position_ids without a mask; under torch.export only the markers."""
     if not torch.compiler.is_compiling():
-        return facts.marked or facts.num_sequences > 1
+        return facts.marked or facts.num_sequences > B
     return facts.marked or (facts.packable and not torch.compiler.is_exporting())  # torch 2.6 has no is_exporting
 
 
@@ -117,7 +119,7 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
     B, T = _check_shapes(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                          cu_seq_lens_q, cu_seq_lens_k, seq_idx, position_offset)
     marked = cu_seq_lens_q is not None or seq_idx is not None
-    packable = marked or (B == 1 and attention_mask is None and position_ids is not None)
+    packable = marked or (attention_mask is None and position_ids is not None)
     checks = _value_checks(config, input_ids, attention_mask, token_type_ids, position_ids, cu_seq_lens_q,
                            cu_seq_lens_k, marked, T) + list(label_checks)
 
@@ -141,10 +143,11 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
         cu = cu_seq_lens_q
         facts += [cu.new_tensor(cu.shape[0] - 1), (cu[1:] - cu[:-1]).max()]  # sequences, longest sequence
     elif packable:  # the sequences and the longest run between their starts
-        starts = sequence_starts(position_ids.flatten() if position_ids is not None else None,
-                                 seq_idx.flatten() if seq_idx is not None else None)  # (T,)
-        start_of = torch.cummax(torch.where(starts, torch.arange(T, device=starts.device), 0), 0).values
-        facts += [starts.sum(), (torch.arange(T, device=starts.device) - start_of).max() + 1]
+        starts = sequence_starts(position_ids.expand(B, T).flatten() if position_ids is not None else None,
+                                 seq_idx.flatten() if seq_idx is not None else None, T)  # (B * T,)
+        tokens = torch.arange(starts.numel(), device=starts.device)
+        start_of = torch.cummax(torch.where(starts, tokens, 0), 0).values
+        facts += [starts.sum(), (tokens - start_of).max() + 1]
     read = [c.value for c in checks] + facts
     device = read[0].device if read else None
     # the one transfer: float64 holds every value exactly (int64 ones up to 2^53); stack promotes int64 to it
@@ -156,8 +159,8 @@ def check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids
             raise ValueError(check.message.format(int(value) if value.is_integer() else value))
 
     nnz, max_seqlen = facts[:2] if attention_mask is not None else (B * T, T)
-    num_sequences, packed_max = facts[-2:] if packable else (1, None)
-    if marked or num_sequences > 1:  # the longest sequence is the longest packed one
+    num_sequences, packed_max = facts[-2:] if packable else (B, None)
+    if marked or num_sequences > B:  # the longest sequence is the longest packed one
         max_seqlen = packed_max
     # bool(): under TorchScript's tracer B and T are tensors, and the path compares `padding` with False by identity
     return B, T, BatchFacts(marked, packable, bool(nnz < B * T), nnz, max_seqlen, num_sequences)

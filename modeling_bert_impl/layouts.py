@@ -199,8 +199,8 @@ def token_positions(batch: Batch, device: torch.device) -> tuple[torch.Tensor, t
     """The real tokens' positions (nnz,) in the flattened (B * T) batch and the sequences' boundaries cu_seqlens
     (S + 1,) int32: a packed batch's every position; a padded batch's ones of its mask (nnz read on the host, or,
     traced, found by a custom op of data-dependent size)."""
-    if batch.packs is not None:  # packed, (1, T): every position is a token
-        return torch.arange(batch.shape[1], device=device), batch.packs
+    if batch.packs is not None:  # packed, (B, T): every position is a token
+        return torch.arange(batch.shape[0] * batch.shape[1], device=device), batch.packs
     mask = batch.attention_mask
     if batch.facts.nnz is not None:
         return unpad_indices(mask, batch.facts.nnz)
@@ -250,8 +250,8 @@ def stock_mask(config, batch: Batch, x: torch.Tensor, implementation: str):
         if implementation.startswith("flash_attention"):
             raise ValueError(f"{implementation} takes a packed batch on the unpadded path only: set "
                              "config.unpad_inputs=True")
-        segment = torch.bucketize(torch.arange(T, device=x.device), packs[1:].long(), right=True)
-        mask_function = and_masks(mask_function, packed_sequence_mask_function(segment[None]))  # (1, T) ids
+        segment = torch.bucketize(torch.arange(B * T, device=x.device), packs[1:].long(), right=True)
+        mask_function = and_masks(mask_function, packed_sequence_mask_function(segment.view(B, T)))  # (B, T) ids
         skip_if_unmasked = False
     if attention_mask is not None:
         attention_mask = attention_mask.to(device=x.device, dtype=torch.bool)  # (B, T)

@@ -542,10 +542,10 @@ class BertImplModel(BertImplPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPooling:
         r"""
-        A padded batch (`input_ids` (B, T) with `attention_mask`), or a packed one as transformers'
-        `DataCollatorWithFlattening` makes it: B = 1, sequences concatenated, marked by `position_ids` restarting at 0
-        (a run of zeros is one sequence: a packed BERT sequence has at least two tokens), by
-        `cu_seq_lens_q`/`max_length_q` (`cu_seq_lens_k`/`max_length_k` must then be equal), or by `seq_idx`. Tokens
+        A padded batch (`input_ids` (B, T) with `attention_mask`), or a packed one: rows of sequences concatenated,
+        marked by `position_ids` restarting at 0 without a mask (transformers' `DataCollatorWithFlattening` makes one
+        such row; a run of zeros is one sequence: a packed BERT sequence has at least two tokens), or one row marked
+        by `cu_seq_lens_q`/`max_length_q` (`cu_seq_lens_k`/`max_length_k` must then be equal) or by `seq_idx`. Tokens
         never attend across sequences, and positions restart at 0 in each sequence whatever marks them.
 
         With a packed batch, `pooler_output` has one row per packed sequence (S, H). Hidden states (the last one and,

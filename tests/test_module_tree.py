@@ -389,20 +389,34 @@ def baseline_inputs(one):
     return ref, torch.zeros_like(ids), torch.zeros_like(ids)
 
 
+def stock_packs_by_positions() -> bool:
+    """Whether this transformers' BERT reads position_ids without a mask as packing markers (5.25 on): its mask
+    function takes them."""
+    import inspect
+
+    from transformers.masking_utils import create_bidirectional_mask
+    return "position_ids" in inspect.signature(create_bidirectional_mask).parameters
+
+
 @pytest.mark.parametrize("kind", OURS)
 def test_captum_baseline_call_and_tutorial_attributions(kind, stock_dir, our_dir, one):
     """Silent wrong answer (2): one row, no attention mask, position_ids all zeros (captum's baseline call) gave
-    logits (T, 2), the row taken as T packed one-token sequences. It gives stock's (1, 2); and the tutorial's
-    LayerIntegratedGradients over the three embedding tables (whose baseline pass is that call) gives stock's
-    attributions."""
+    logits (T, 2), the row taken as T packed one-token sequences. It gives stock's (1, 2), the row read as one
+    sequence whose positions are all 0: stock's reading with an attention mask in every transformers release (and
+    without one up to 5.24; from 5.25 stock without a mask reads a step that is not +1 as a new sequence, so each token
+    attends to itself alone: the difference docs/model.md states). The tutorial's LayerIntegratedGradients over the
+    three embedding tables (whose baseline pass is that call) gives stock's attributions."""
     ref_ids, ref_types, ref_positions = baseline_inputs(one)
     ids, types = one["input_ids"], one["token_type_ids"]
     positions = torch.arange(ids.shape[1])[None]
+    ones = torch.ones_like(ref_ids)
     results = {}
     for name in ("stock", kind):
         model = load(name, stock_dir, our_dir)
         with torch.no_grad():
-            results[name, "baseline"] = model(ref_ids, token_type_ids=ref_types, position_ids=ref_positions).logits
+            mask = ones if name == "stock" else None  # ours as the user calls it, stock reading positions only
+            results[name, "baseline"] = model(ref_ids, mask, ref_types, ref_positions).logits
+            results[name, "unmasked"] = model(ref_ids, token_type_ids=ref_types, position_ids=ref_positions).logits
         embeddings = model.bert.embeddings
         lig = captum_attr.LayerIntegratedGradients(
             lambda i, t, p: model(i, token_type_ids=t, position_ids=p).logits[:, 1],
@@ -411,10 +425,36 @@ def test_captum_baseline_call_and_tutorial_attributions(kind, stock_dir, our_dir
                                                       n_steps=16)
     assert results[kind, "baseline"].shape == results["stock", "baseline"].shape == (1, 2)
     assert max_diff(results[kind, "baseline"], results["stock", "baseline"]) < TOL
+    stock_moved = max_diff(results["stock", "unmasked"], results["stock", "baseline"])
+    assert (stock_moved > TOL) == stock_packs_by_positions(), stock_moved  # the difference the docs state, and when
     words, types, positions = results[kind, "attributions"]  # token types equal the baseline's: no attribution
     assert words.abs().max() > 1e-4 and positions.abs().max() > 1e-4
     for got, expected in zip(results[kind, "attributions"], results["stock", "attributions"]):
         assert max_diff(got, expected) < TOL
+
+
+@pytest.mark.parametrize("kind", OURS)
+def test_rows_packed_by_restarting_positions(kind, stock_dir, our_dir, tokenizer):
+    """Two rows of sequences packed back to back (two, and three), marked by position_ids restarting at 0, no mask
+    (what transformers' BERT reads as packing from 5.25 on): no token attends across its sequence, so the last hidden
+    state is each sentence's own run (stock's, every transformers release), and where stock packs too, stock's on
+    the same rows. Before, a batch of several rows attended across the whole row (6.6 off stock 5.25)."""
+    short, brief, fourth = (tokenizer(SENTENCES[i], return_tensors="pt")["input_ids"][0] for i in (0, 1, 3))
+    ids = torch.stack([torch.cat([short, brief]), torch.cat([fourth, brief, brief[:2]])])  # (2, 16): 12 + 4, 10 + 4 + 2
+    positions = torch.stack([torch.cat([torch.arange(12), torch.arange(4)]),
+                             torch.cat([torch.arange(10), torch.arange(4), torch.arange(2)])])
+    model, stock = load(kind, stock_dir, our_dir), load("stock", stock_dir, our_dir)
+    with torch.no_grad():
+        got = model.bert(ids, position_ids=positions).last_hidden_state
+        alone = [stock.bert(ids[i:i + 1, j:k]) for i, j, k in ((0, 0, 12), (0, 12, 16), (1, 0, 10), (1, 10, 14),
+                                                               (1, 14, 16))]
+        pooled = model.bert(ids, position_ids=positions).pooler_output
+        expected = torch.cat([torch.cat([a.last_hidden_state for a in alone[:2]], 1),
+                              torch.cat([a.last_hidden_state for a in alone[2:]], 1)])
+        assert max_diff(got, expected) < TOL
+        assert max_diff(pooled, torch.cat([a.pooler_output for a in alone])) < TOL  # (S, H): one row a sequence
+        if stock_packs_by_positions():
+            assert max_diff(got, stock.bert(ids, position_ids=positions).last_hidden_state) < TOL
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from . import avx2_gemm, native
-from ..bert_padding import unpad_indices
+from ..bert_padding import sequence_starts, unpad_indices
 from ..input_checks import require_tracing_torch
 from ..layouts import BucketedLayout, first_tokens
 from ..modeling_bert_impl import BertImplModel
@@ -290,14 +290,15 @@ def model_positions(model, call: Call, positions: torch.Tensor) -> torch.Tensor:
 
 
 def batch_positions(call: Call, B: int, T: int) -> torch.Tensor | None:
-    """The call's position_ids as (B, T); None where a row of them without a mask could restart (a packed batch:
-    the eager path decides) or their shape is neither (B, T) nor (1, T)."""
+    """The call's position_ids as (B, T); None where their shape is neither (B, T) nor (1, T), or where they restart
+    at 0 inside a row without a mask (a packed batch: the eager path runs it)."""
     position_ids = call.position_ids
-    if call.attention_mask is None and B == 1:
-        return None
     if position_ids.shape == (1, T):
-        return position_ids.expand(B, T).contiguous()
-    return position_ids if position_ids.shape == (B, T) else None
+        position_ids = position_ids.expand(B, T).contiguous()
+    if position_ids.shape != (B, T):
+        return None
+    packed = call.attention_mask is None and bool(sequence_starts(position_ids.flatten(), None, T).sum() > B)
+    return None if packed else position_ids
 
 
 def real_tokens(model, call: Call, B: int, T: int) -> tuple[bool, torch.Tensor | None]:
