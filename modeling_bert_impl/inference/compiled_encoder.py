@@ -454,8 +454,9 @@ def compile_package(base: BertImplModel, package_path: str, metadata: dict[str, 
     products = dtype == torch.float32 and avx2_gemm.chosen(base)  # our products and attention, else attention only
     kernels = products or avx2_gemm.attention_chosen()
     attention = avx2_gemm.kernel_attention if kernels else dense_attention
+    gelus = rational_gelus(base)  # read before the kernels' modules stand in for the Int8Linears it looks for
     with torch.no_grad(), avx2_gemm.kernel_modules(base) if products else joint_attention(base, dtype, attention), \
-            avx2_gemm.swapped(rational_gelus(base)):
+            avx2_gemm.swapped(gelus):
         program = torch.export.export(Program(base), example,
                                       dynamic_shapes=({0: batch, 1: length},) * 4)
         written = torch._inductor.aoti_compile_and_package(program, package_path=package_path,
