@@ -80,6 +80,27 @@ def find_label_column(columns, data_args) -> str | None:
     return next((c for c in ("label", *TSV_LABEL_COLUMNS) if c in columns), None)
 
 
+def require_label_column(raw, files: dict[str, str], label_column: str | None, data_args, training_args) -> None:
+    """A ValueError naming the first split that needs labels and lacks the label column, the training file before the
+    validation file: its file, the name looked for (the one --label_column_name gave, or the names tried) and its
+    columns."""
+    needs = [("train", training_args.do_train, ""),
+             ("validation", training_args.do_eval, ", so --do_eval has nothing to score; add the labels, name their "
+              "column with --label_column_name, or give the file as --test_file with --do_predict")]
+    for split, needed, advice in needs:
+        columns = raw[split].column_names if split in raw else None
+        if not needed or columns is None or (label_column is not None and label_column in columns):
+            continue
+        where = files.get(split, f"the {split} split")
+        if data_args.label_column_name:
+            looked_for = f"{label_column!r} (--label_column_name)"
+        else:
+            tried = ", ".join(repr(c) for c in ("label", *TSV_LABEL_COLUMNS))
+            looked_for = f"{label_column!r}" if label_column else f"among {tried}"
+            advice = advice or "; name it with --label_column_name"
+        raise ValueError(f"{where}: no label column {looked_for} (its columns: {', '.join(columns)}){advice}")
+
+
 def find_text_columns(dataset, label_column, data_args) -> list[str]:
     """The one or two text columns: as given, the task's, sentence1/sentence2, sentence, or the other text columns."""
     columns = dataset.column_names
@@ -135,17 +156,11 @@ def main(argv: list[str] | None = None) -> Trainer:
 
     reference = raw["train"] if "train" in raw else raw[next(iter(raw))]
     label_column = find_label_column(reference.column_names, data_args)
+    files = common.data_files(data_args) if data_args.dataset_name is None else {}
+    require_label_column(raw, files, label_column, data_args, training_args)
     text_columns = find_text_columns(reference, label_column, data_args)
     logger.info(f"text columns {text_columns}, label column {label_column!r}")
-    files = common.data_files(data_args) if data_args.dataset_name is None else {}
-    if training_args.do_eval and "validation" in files and label_column not in raw["validation"].column_names:
-        raise ValueError(f"{files['validation']}: no label column {label_column!r} (its columns: "
-                         f"{', '.join(raw['validation'].column_names)}), so --do_eval has nothing to score; add the "
-                         "labels, name their column with --label_column_name, or give the file as --test_file with "
-                         "--do_predict")
     labelled = [raw[s] for s in ("train", "validation") if s in raw and label_column in raw[s].column_names]
-    if (training_args.do_train or training_args.do_eval) and not labelled:
-        raise ValueError(f"no label column among {reference.column_names}; pass --label_column_name")
 
     tokenizer = common.load_tokenizer(model_args)
     max_length = common.sequence_length(data_args, tokenizer)
@@ -171,10 +186,8 @@ def main(argv: list[str] | None = None) -> Trainer:
             }
     else:  # prediction only: the labels are the fine-tuned model's
         config = {}
-    model = BertImplForSequenceClassification.from_pretrained(
-        model_args.model_name_or_path, cache_dir=model_args.cache_dir,
-        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **config,
-    )
+    model = common.load_for_fine_tuning(BertImplForSequenceClassification, model_args,
+                                         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **config)
     is_regression = model.config.problem_type == "regression" or model.config.num_labels == 1
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
 

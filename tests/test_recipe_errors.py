@@ -100,6 +100,17 @@ def test_glue_label_problems_are_refused_with_their_lines(minilm_dir, tmp_path):
     unlabelled = write_csv(tmp_path / "unlabelled.csv", ["sentence"], [("a lovely film",)])
     refused(run_glue, minilm_dir, tmp_path / "out", "--train_file", train, "--validation_file", unlabelled,
             "--do_train", "--do_eval", match=("unlabelled.csv: no label column 'label'", "--test_file"))
+    renamed = write_csv(tmp_path / "renamed.csv", ["sentence", "sentiment"], SENTENCES)  # the training file's fault
+    good = write_csv(tmp_path / "good.csv", ["sentence", "label"], SENTENCES)
+    message = refused(run_glue, minilm_dir, tmp_path / "out", "--train_file", renamed, "--validation_file", good,
+                      "--do_train", "--do_eval", match=("renamed.csv: no label column among 'label', 'gold_label'",
+                                                        "(its columns: sentence, sentiment)", "--label_column_name"))
+    assert "good.csv" not in message and "None" not in message
+    message = refused(run_glue, minilm_dir, tmp_path / "out", "--train_file", good, "--validation_file", good,
+                      "--do_train", "--do_eval", "--label_column_name", "labels",
+                      match=("good.csv: no label column 'labels' (--label_column_name)",
+                             "(its columns: sentence, label)"))
+    assert "pass --label_column_name" not in message
     blank = write_csv(tmp_path / "blank.csv", ["sentence", "label"], SENTENCES[:2] + [("great fun", "")])
     refused(run_glue, minilm_dir, tmp_path / "out", "--train_file", blank, "--do_train",
             match=("1 row(s) have an empty 'label'", "blank.csv, line 4"))
