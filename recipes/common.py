@@ -146,6 +146,54 @@ def load_tokenizer(model_args: ModelArguments):
     return BertImplTokenizer.from_pretrained(name, cache_dir=model_args.cache_dir)
 
 
+class HeldRecords(logging.Filter):
+    """Keeps a logger's records instead of letting them out (`load_for_fine_tuning`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+def load_for_fine_tuning(model_class, model_args: ModelArguments, **kwargs):
+    """`model_class.from_pretrained(--model_name_or_path)` for fine-tuning, its load report said so that a newcomer
+    reads it right: a task head the checkpoint lacks is new (initialised at random, what fine-tuning trains) and its
+    other heads' weights go unused, each said in one line where transformers prints a table of MISSING and UNEXPECTED
+    keys; missing weights of the encoder itself, or a failed load, get transformers' report as it is."""
+    name = model_args.model_name_or_path
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    held = HeldRecords()
+    report_logger.addFilter(held)
+    try:
+        model, info = model_class.from_pretrained(name, cache_dir=model_args.cache_dir, output_loading_info=True,
+                                                  **kwargs)
+    except BaseException:
+        report_logger.removeFilter(held)
+        for record in held.records:
+            report_logger.handle(record)
+        raise
+    report_logger.removeFilter(held)
+    encoder = model.base_model_prefix + "."
+    missing = sorted(info["missing_keys"])
+    head = [k for k in missing if not k.startswith(encoder)]
+    for record in held.records:  # the report aside, unless encoder weights are missing
+        if "LOAD REPORT" not in record.getMessage() or len(head) < len(missing):
+            report_logger.handle(record)
+    if head:
+        logger.info(f"new task head: {', '.join(head)}, initialised at random, as {name} has none; fine-tuning "
+                    "trains it (transformers' load report calls these weights MISSING: expected here)")
+    if info["unexpected_keys"]:
+        unused = sorted(info["unexpected_keys"])
+        logger.info(f"{len(unused)} weights of {name} not used (its other heads: {', '.join(unused[:3])}"
+                    f"{', ...' if len(unused) > 3 else ''})")
+    for key, stored, shape in info["mismatched_keys"]:  # with --ignore_mismatched_sizes
+        logger.info(f"{key}: {name} holds {tuple(stored)}, this model takes {tuple(shape)}: initialised at random")
+    return model
+
+
 def sequence_length(data_args: DataArguments, tokenizer) -> int:
     """--max_seq_length, capped at what the tokenizer (and so the model) accepts."""
     if data_args.max_seq_length > tokenizer.model_max_length:

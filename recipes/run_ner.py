@@ -160,10 +160,8 @@ def run(model_args: common.ModelArguments, data_args: DataArguments, training_ar
 
     tokenizer = common.load_tokenizer(model_args)
     max_length = common.sequence_length(data_args, tokenizer)
-    model = BertImplForTokenClassification.from_pretrained(
-        model_args.model_name_or_path, cache_dir=model_args.cache_dir,
-        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **config,
-    )
+    model = common.load_for_fine_tuning(BertImplForTokenClassification, model_args,
+                                         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, **config)
     label_list = [model.config.id2label[i] for i in range(model.config.num_labels)]
     if not by_id and "test" in raw and tags in raw["test"].column_names:
         unknown = [i for i, sentence in enumerate(raw["test"][tags]) if not set(map(str, sentence)) <= set(label_list)]

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> Trainer:
     if data_args.doc_stride >= max_length:
         raise ValueError(f"--doc_stride ({data_args.doc_stride}) must be smaller than --max_seq_length ({max_length})")
     check_question_lengths(raw, common.data_files(data_args), tokenizer, max_length, data_args.doc_stride)
-    model = BertImplForQuestionAnswering.from_pretrained(model_args.model_name_or_path, cache_dir=model_args.cache_dir)
+    model = common.load_for_fine_tuning(BertImplForQuestionAnswering, model_args)
 
     def windows(batch):
         """Tokenize (question, context) pairs into overlapping windows over the context. Each window gets the answer's

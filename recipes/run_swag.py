@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> Trainer:
         check_examples(raw, common.data_files(data_args))
     tokenizer = common.load_tokenizer(model_args)
     max_length = common.sequence_length(data_args, tokenizer)
-    model = BertImplForMultipleChoice.from_pretrained(model_args.model_name_or_path, cache_dir=model_args.cache_dir)
+    model = common.load_for_fine_tuning(BertImplForMultipleChoice, model_args)
 
     def tokenize(batch):
         """Four (context, ending) pairs per example, tokenized flat and regrouped: every field becomes (4, T)."""

@@ -573,3 +573,36 @@ def test_a_recipe_without_the_recipes_extra_names_it(script):
     assert proc.stderr.strip() == (f"{script} needs datasets, seqeval, of bert-impl's `recipes` extra: run pip install "
                                    "-e \".[recipes]\" in the root of the bert-impl clone (or pip install datasets "
                                    "seqeval)")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The load report a newcomer reads
+# ---------------------------------------------------------------------------------------------------------------------
+def test_a_new_task_head_is_said_in_one_line_and_missing_encoder_weights_keep_the_report(minilm_dir, tmp_path,
+                                                                                           caplog):
+    """Fine-tuning MiniLM (an encoder without a classifier): one INFO line says the classifier is new and that
+    fine-tuning trains it, in place of transformers' table that calls it MISSING in red (a newcomer took it for an
+    error). A checkpoint that lacks weights of the encoder itself keeps transformers' report, and its table."""
+    from safetensors.torch import load_file, save_file
+
+    from modeling_bert_impl import BertImplForSequenceClassification, BertImplModel
+
+    args = common.ModelArguments(model_name_or_path=minilm_dir)
+    with caplog.at_level(logging.INFO):
+        model = common.load_for_fine_tuning(BertImplForSequenceClassification, args, num_labels=2)
+    assert model.config.num_labels == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("LOAD REPORT" in m for m in messages), messages
+    assert any(m.startswith("new task head: classifier.bias, classifier.weight, initialised at random") for m in
+               messages), messages
+
+    damaged = tmp_path / "damaged"
+    BertImplModel.from_pretrained(minilm_dir).save_pretrained(damaged)
+    weights = load_file(damaged / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "layer.0.output.dense" not in k}, damaged / "model.safetensors",
+              metadata={"format": "pt"})
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        common.load_for_fine_tuning(BertImplForSequenceClassification, common.ModelArguments(str(damaged)))
+    report = next(m for m in (r.getMessage() for r in caplog.records) if "LOAD REPORT" in m)
+    assert "layer.0.output.dense.weight" in report and "MISSING" in report
