@@ -587,14 +587,14 @@ def test_the_console_script_sizes_onednns_caches_loads_freezes_and_serves(monkey
     monkeypatch.setattr(gc, "freeze", lambda: steps.append("freeze"))
     monkeypatch.setattr(gc, "unfreeze", lambda: steps.append("unfreeze"))
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: steps.append(("serve", type(app).__name__, kwargs)))
-    cli.main(["some-model", "--port", "8123"])
+    cli.main([minilm_dir, "--port", "8123"])
     assert steps == [("load", ("16", "64")), "freeze",
                      ("serve", "App", {"host": "127.0.0.1", "port": 8123, "log_level": "info", "access_log": False}),
                      "unfreeze"]
     assert loaded[0]() is None  # freed before main returned
 
 
-def test_the_console_script_is_declared_and_parses(capsys):
+def test_the_console_script_is_declared_and_parses(capsys, minilm_dir):
     import tomllib
     from pathlib import Path
 
@@ -602,10 +602,65 @@ def test_the_console_script_is_declared_and_parses(capsys):
 
     scripts = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["bert-impl-serve"] == "modeling_bert_impl.server.cli:main"
-    args = cli.parse_args(["some-model"])
+    args = cli.parse_args([minilm_dir])
     assert (args.host, args.port, args.max_batch_tokens, args.max_client_batch_size, args.max_concurrent_requests) == (
         "127.0.0.1", 8080, None, 32, 512)
-    assert not args.access_log and cli.parse_args(["some-model", "--access-log"]).access_log
+    assert not args.access_log and cli.parse_args([minilm_dir, "--access-log"]).access_log
     with pytest.raises(SystemExit):
-        cli.parse_args(["some-model", "--int8"])
+        cli.parse_args([minilm_dir, "--int8"])
     assert "--int8 needs --calibration FILE" in capsys.readouterr().err
+
+
+def refusal(capsys, *argv) -> str:
+    """bert-impl-serve's one-line refusal of `argv` at argument parsing (exit status 2, no traceback)."""
+    from modeling_bert_impl.server import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.parse_args(list(map(str, argv)))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_a_model_that_cannot_load_is_refused_at_argument_parsing_in_one_line(capsys, tmp_path, monkeypatch):
+    """A folder that does not exist, a file, a name that is no Hub id, and (offline, as the tests run) a Hub id not in
+    the local cache: one line naming it, before anything loads. It was a 30-line traceback from the Hub's client (or,
+    for a bare name online, 33 s of retries first)."""
+    import huggingface_hub
+
+    from modeling_bert_impl.server import cli
+
+    missing = tmp_path / "nope"
+    assert refusal(capsys, missing) == f"bert-impl-serve: error: {missing}: no such folder (nor is it a Hub id)"
+    assert refusal(capsys, "../work/nope").endswith("../work/nope: no such folder (nor is it a Hub id)")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    assert "weights.bin is a file: MODEL is a model's folder" in refusal(capsys, tmp_path / "weights.bin")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    line = refusal(capsys, "nope")
+    assert "nope: no such folder, and as a Hub id it is not in the local Hub cache while HF_HUB_OFFLINE" in line
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # online: the loader tries, and is caught
+    assert cli.unloadable("someone/some-model") is None
+
+
+def test_a_folder_without_a_model_ends_in_one_line(tmp_path, monkeypatch):
+    """A folder that exists but holds no model: transformers' OSError, said in one line as the server exits."""
+    from modeling_bert_impl.server import cli
+
+    monkeypatch.setattr(cli, "bound_onednn_caches", lambda *args: None)  # it sets this process's environment
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        cli.main([str(tmp_path / "empty")])
+    message = str(stop.value.code)
+    assert message.startswith(f"bert-impl-serve: cannot load {tmp_path / 'empty'}: ") and "\n" not in message
+
+
+def test_calibration_is_refused_at_argument_parsing_when_missing_or_without_int8(capsys, tmp_path, minilm_dir):
+    """--int8 with a calibration file that does not exist, and --calibration without --int8 (it was silently
+    ignored): refused before the model loads, as --int8 without --calibration is."""
+    line = refusal(capsys, minilm_dir, "--int8", "--calibration", tmp_path / "nope.txt")
+    assert line.endswith(f"--calibration {tmp_path / 'nope.txt'}: no such file (texts like those to be served, one a "
+                         "line)")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("a sentence like those served\n")
+    line = refusal(capsys, minilm_dir, "--calibration", texts)
+    assert line.endswith(f"--calibration {texts} is read by --int8 only: add --int8, or leave it out")

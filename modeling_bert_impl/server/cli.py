@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("model", help="a model folder or Hub id")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
                                                              "0.0.0.0 for every interface)")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="the products' dtype (default: bfloat16 where the CPU has bfloat16 units, else float32)")
     parser.add_argument("--int8", action="store_true", help="quantize_for_inference, calibrated on --calibration")
@@ -55,7 +55,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.int8 and not args.calibration:
         parser.error("--int8 needs --calibration FILE: texts like those to be served, one a line")
+    if args.calibration and not args.int8:
+        parser.error(f"--calibration {args.calibration} is read by --int8 only: add --int8, or leave it out")
+    if args.calibration and not os.path.isfile(args.calibration):
+        parser.error(f"--calibration {args.calibration}: no such file (texts like those to be served, one a line)")
+    if (problem := unloadable(args.model)) is not None:
+        parser.error(problem)
     return args
+
+
+def unloadable(model: str) -> str | None:
+    """Why MODEL cannot be loaded, where that can be told before loading it: neither a folder nor a Hub id, or a Hub
+    id that is not in the local cache while the Hub is off (HF_HUB_OFFLINE). None where it may load."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if os.path.isdir(model):
+        return None
+    if os.path.exists(model):
+        return f"{model} is a file: MODEL is a model's folder (what save_pretrained writes) or a Hub id"
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return f"{model}: no such folder (nor is it a Hub id)"
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return (f"{model}: no such folder, and as a Hub id it is not in the local Hub cache while HF_HUB_OFFLINE is "
+                "set: give the model's folder, or download it first")
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,7 +96,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     choice = EngineChoice(args.dtype, args.calibration if args.int8 else None, args.compile, args.device)
     bound_onednn_caches("bert-impl-serve", ONEDNN_CACHE_ENTRIES)  # read at oneDNN's first use: before the engine's
-    engine = Engine(args.model, choice, args.pooling)
+    try:
+        engine = Engine(args.model, choice, args.pooling)
+    except (OSError, ValueError) as error:  # a folder without a model, a Hub id not found or not reached, a config
+        # transformers cannot read: said in a line, not a traceback from inside transformers or the Hub's client
+        sys.exit(f"bert-impl-serve: cannot load {args.model}: {str(error).strip().splitlines()[0]}")
     info = engine.info()
     logger.info(f"{args.model}: {engine.kind} model, {info['engine']}, {info['model_dtype']}, {info['device']}, "
                 f"{info['threads']} threads")
