@@ -178,3 +178,29 @@ def run_without_package(tmp_path):
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     return run
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    """A run with failures names the installed releases that docs/development.md's tested-versions table does not
+    cover: a new release of a dependency is the usual cause of a red run that nothing here changed."""
+    if not (terminalreporter.stats.get("failed") or terminalreporter.stats.get("error")):
+        return
+    from importlib import metadata
+    from pathlib import Path
+
+    from helpers import tested_versions, untested_releases
+
+    def installed(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    page = (Path(__file__).parent.parent / "docs" / "development.md").read_text(encoding="utf-8")
+    lines = untested_releases(tested_versions(page), installed)
+    if lines:
+        terminalreporter.section("releases outside the tested versions")
+        for line in lines:
+            terminalreporter.write_line(line)
+        terminalreporter.write_line("A release newer than those tested may be why tests fail: docs/development.md, "
+                                    "'When a new release turns the tests red', says what to do.")

@@ -230,3 +230,32 @@ def program_calls(model) -> list:
     run = encoder.run
     encoder.run = lambda args: calls.append(list(args)) or run(args)
     return calls
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Releases beyond the tested ones: named in the summary of a failing run (conftest.py's pytest_terminal_summary)
+# ---------------------------------------------------------------------------------------------------------------------
+def tested_versions(page: str) -> dict[str, tuple[str, str]]:
+    """docs/development.md's "Tested versions" table, read from the page's text: package -> (lowest, newest) release
+    that passed."""
+    table = page.split("\n## Tested versions\n", 1)[1].strip().split("\n\n")[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.splitlines()[2:]]
+    return {name.split(" (")[0]: (lowest.split()[0], newest.split()[0]) for name, lowest, newest in rows}
+
+
+def untested_releases(tested: dict[str, tuple[str, str]], installed) -> list[str]:
+    """A line for each package whose installed release (`installed(name)`: its version, or None where it is not
+    installed) lies outside the tested range `tested` (`tested_versions`)."""
+    from packaging.version import Version
+
+    lines = []
+    for name, (lowest, newest) in tested.items():
+        version = installed(name)
+        if version is None:
+            continue
+        release = Version(version).release
+        if release > Version(newest).release:
+            lines.append(f"{name} {version} is newer than the newest release tested ({newest})")
+        elif release < Version(lowest).release:
+            lines.append(f"{name} {version} is older than the lowest release tested ({lowest})")
+    return lines

@@ -51,3 +51,20 @@ def test_the_first_pass_runs_the_readmes_test_command_verbatim():
     lines = [line.strip() for line in newest.splitlines()]
     start = lines.index(command[0])
     assert lines[start:start + len(command)] == command
+
+
+def test_a_failing_run_names_the_releases_outside_the_tested_versions():
+    """The tested-versions table of docs/development.md, as conftest's summary of a failing run reads it: every row,
+    its lowest and newest release; an installed release above the newest (or below the lowest) is named, one in range
+    is not, and the packages CI prints all have a row."""
+    from helpers import tested_versions, untested_releases
+
+    tested = tested_versions((ROOT / "docs" / "development.md").read_text(encoding="utf-8"))
+    ci_packages = re.search(r"PACKAGES=\(([^)]*)\)", (ROOT / ".ci" / "run").read_text())[1].split()
+    assert set(ci_packages) - {"numpy"} <= set(tested), set(ci_packages) - set(tested)
+    lowest, newest = tested["transformers"]
+    above = f"{newest.rsplit('.', 1)[0]}.{int(newest.rsplit('.', 1)[1]) + 1}"
+    installed = {"transformers": above, "torch": tested["torch"][1] + "+cpu", "peft": "0.1.0"}.get
+    assert untested_releases(tested, installed) == [
+        f"transformers {above} is newer than the newest release tested ({newest})",
+        f"peft 0.1.0 is older than the lowest release tested ({tested['peft'][0]})"]
