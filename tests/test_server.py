@@ -5,8 +5,10 @@ batches; a failing batch; SIGTERM with requests in flight. Servers run in this p
 port of 127.0.0.1), but the SIGTERM test's, a `bert-impl-serve` subprocess."""
 
 import base64
+import hmac
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +31,7 @@ import uvicorn  # noqa: E402
 import modeling_bert_impl as bi  # noqa: E402
 from modeling_bert_impl.server.app import Limits, create_app  # noqa: E402
 from modeling_bert_impl.server.batching import Batcher  # noqa: E402
+from modeling_bert_impl.server.cli import uvicorn_limits  # noqa: E402
 from modeling_bert_impl.server.engine import Encoding, Engine, EngineChoice  # noqa: E402
 
 FLOAT32 = EngineChoice(dtype="float32", device="cpu")
@@ -48,7 +52,8 @@ class Server:
         self.app = create_app(engine, limits)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    **uvicorn_limits(limits)))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -242,6 +247,10 @@ def test_tokenize_and_info(served, minilm_dir):
     assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["model_dtype"] == "float32"
     assert info["max_input_length"] == 64 and info["max_client_batch_size"] == 8
     assert info["max_batch_tokens"] == 4096  # the CPU's default
+    assert info["model_id"] == Path(minilm_dir).name and "/" not in info["model_id"]  # no path of the server's disk
+    assert (info["payload_limit"], info["body_timeout"], info["max_header_bytes"], info["max_headers"],
+            info["header_timeout"], info["max_connections"], info["keep_alive"], info["graceful_timeout"]) == (
+        2_000_000, 60.0, 32768, 100, 60.0, 1024, 5.0, 30.0)
     assert served.get("/health")[0] == 200
 
 
@@ -308,6 +317,231 @@ def test_the_api_key_is_required_where_set(embedder):
         status, body, _ = server.post("/v1/embeddings", {"input": "a"})
         assert status == 401 and body["error"]["type"] == "authentication_error"
         assert server.get("/health")[0] == 200 and server.get("/metrics")[0] == 200  # probes and scrapers
+    finally:
+        server.stop()
+
+
+def test_the_key_is_compared_in_constant_time_and_its_scheme_in_any_case(embedder, monkeypatch):
+    """`Authorization: <scheme> <key>`: the scheme Bearer in any case (HTTP's auth schemes are case-insensitive), one
+    or more spaces, then the key exactly; the key compared by hmac.compare_digest, never by ==."""
+    from modeling_bert_impl.server import app as app_module
+
+    compared, compare = [], hmac.compare_digest
+    monkeypatch.setattr(app_module.hmac, "compare_digest", lambda a, b: compared.append((a, b)) or compare(a, b))
+    server = Server(embedder, Limits(api_key="s3cret"))
+    try:
+        for value in ("Bearer s3cret", "bearer s3cret", "BEARER s3cret", "Bearer   s3cret"):
+            assert server.post("/embed", {"inputs": "a"}, {"authorization": value})[0] == 200, value
+        for value in ("Bearer s3cre", "Bearer s3cretX", "Basic s3cret", "s3cret", "Bearer", "Bearers3cret",
+                      "Bearer s3cret extra"):
+            assert server.post("/embed", {"inputs": "a"}, {"authorization": value})[0] == 401, value
+    finally:
+        server.stop()
+    assert (b"s3cret", b"s3cret") in compared and (b"s3cre", b"s3cret") in compared
+
+
+def test_fields_take_their_json_types_only(served):
+    """Booleans are JSON booleans and token ids JSON integers: a string, a number or a bool in their place is 422
+    naming the field and what came (they were converted and answered 200); an empty list of ids has its own
+    message."""
+    for body in ({"inputs": "a", "normalize": "yes"}, {"inputs": "a", "normalize": "off"},
+                 {"inputs": "a", "normalize": 0.0}, {"inputs": "a", "truncate": "yes"}, {"inputs": "a", "truncate": 1}):
+        status, answer, _ = served.post("/embed", body)
+        field = next(k for k in body if k != "inputs")
+        assert status == 422 and answer["error"].startswith(f"{field}: Input should be a valid boolean"), answer
+    for given in ([True, False], [1e3], [101.0], [["101", "102"]], [[101, True]]):
+        status, answer, _ = served.post("/v1/embeddings", {"input": given})
+        assert status == 422 and answer["error"]["param"] == "input", (given, answer)
+    status, answer, _ = served.post("/v1/embeddings", {"input": [[]]})
+    assert status == 422 and answer["error"]["message"] == "input: token id list 0 is empty"
+    assert served.post("/v1/embeddings", {"input": [101, 7592, 102]})[0] == 200
+    assert served.post("/embed", {"inputs": "a", "normalize": False, "truncate": True})[0] == 200
+
+
+def raw_request(port: int, head: bytes, body: bytes = b"", timeout: float = 10) -> tuple[bytes, float]:
+    """Send `head` then `body` on a new connection; the answer's bytes (until the server closes or stops sending) and
+    the seconds from the end of `head` to the answer's first bytes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as connection:
+        connection.sendall(head)
+        sent = time.perf_counter()
+        if body:
+            connection.sendall(body)
+        first = connection.recv(65536)
+        took = time.perf_counter() - sent
+        answer = first
+        try:
+            while chunk := connection.recv(65536):
+                answer += chunk
+        except (TimeoutError, ConnectionError):
+            pass
+        return answer, took
+
+
+def rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads this process's RSS from /proc")
+def test_a_body_over_the_payload_limit_is_refused_before_it_is_read(embedder):
+    """--payload-limit: a Content-Length above it is answered 413 at once (a 10 GB promise with 1 KB sent, within
+    100 ms of its headers); a chunked body is counted as it comes and refused once past it, the server's memory
+    growing by about the limit (what it holds to parse), not by the 64 MB sent; a body within it is served."""
+    limit = 4_000_000
+    server = Server(embedder, Limits(payload_limit=limit))
+    head = (b"POST /embed HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n")
+    try:
+        promise = head + b"content-length: 10000000000\r\n\r\n"
+        answer, took = raw_request(server.port, promise, b'{"inputs": "a"' + b" " * 1000)
+        assert answer.startswith(b"HTTP/1.1 413") and b"more than the 4000000 allowed (--payload-limit)" in answer
+        assert took < 0.1, took
+        before = rss_bytes()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+            connection.sendall(head + b"transfer-encoding: chunked\r\n\r\n")
+            chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+            try:
+                for _ in range(64):
+                    connection.sendall(chunk)
+            except ConnectionError:  # refused and closed part-way: what a server that stops reading does
+                pass
+            answer = connection.recv(65536)
+        grown = rss_bytes() - before
+        assert answer.startswith(b"HTTP/1.1 413") and grown < 2 * limit, (answer[:200], grown)  # it holds up to the
+        # limit's bytes to parse them, and nothing past them: before, 50 MB sent grew it by 90 MB
+        assert server.post("/embed", {"inputs": "a" + " " * 100_000})[0] == 200
+    finally:
+        server.stop()
+
+
+def test_a_body_that_stops_coming_gets_408_within_the_body_timeout_while_others_are_served(embedder):
+    """--body-timeout: ten clients that send half a body and then nothing get 408 once it is up, their connections
+    closed, while a normal client keeps getting answers within 1 s."""
+    server = Server(embedder, Limits(body_timeout=1.5))
+    head = b"POST /embed HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    try:
+        stalled = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(10)]
+        for connection in stalled:
+            connection.sendall(head + b'{"inputs": ')
+        start = time.monotonic()
+        while time.monotonic() - start < 1.2:
+            asked = time.monotonic()
+            assert server.post("/embed", {"inputs": "a normal client"})[0] == 200
+            assert time.monotonic() - asked < 1
+        answers = []
+        for connection in stalled:
+            answer = b""
+            while chunk := connection.recv(65536):
+                answer += chunk
+            answers.append(answer)  # read to the end: the server closed the connection
+            connection.close()
+        assert 1.5 <= time.monotonic() - start < 5
+        assert all(a.startswith(b"HTTP/1.1 408") and b"within 1.5 s (--body-timeout)" in a for a in answers), answers
+    finally:
+        server.stop()
+
+
+def test_heads_too_large_or_too_slow_are_refused_before_the_app_and_slow_clients_cannot_hold_the_server(embedder):
+    """--max-header-bytes and --max-headers: a 100 KB header, 1,000 headers and an unfinished 32 MB one get 431, read
+    no further than the cap; --header-timeout: 200 connections sending a header a byte at a time are answered 408
+    and closed once it is up, while a normal client keeps getting answers within 1 s; ordinary requests with their
+    usual headers are served."""
+    server = Server(embedder, Limits(header_timeout=2.0))
+    start = b"GET /health HTTP/1.1\r\nhost: x\r\n"
+    try:
+        for head in (start + b"x-big: " + b"a" * 100_000 + b"\r\n\r\n",
+                     start + b"".join(b"x-h%d: v\r\n" % i for i in range(1000)) + b"\r\n"):
+            answer, _ = raw_request(server.port, head)
+            assert answer.startswith(b"HTTP/1.1 431") and b"--max-header-bytes, --max-headers" in answer, answer[:99]
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as connection:
+            connection.sendall(start + b"x-huge: ")
+            sent = 0
+            try:
+                while sent < 32 << 20:
+                    connection.sendall(b"a" * (1 << 20))
+                    sent += 1 << 20
+            except ConnectionError:
+                pass
+            assert sent < 4 << 20  # refused and closed at the cap, not read to the end
+        slow = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(200)]
+        opened = time.monotonic()
+        byte = 0
+        while time.monotonic() - opened < 1.5:  # a byte a connection every 0.3 s: each head still unfinished
+            for connection in slow:
+                connection.sendall(start[byte:byte + 1])
+            asked = time.monotonic()
+            assert server.get("/health")[0] == 200 and time.monotonic() - asked < 1
+            byte += 1
+            time.sleep(0.3)
+        answers = []
+        for connection in slow:
+            answer = b""
+            while chunk := connection.recv(65536):
+                answer += chunk
+            answers.append(answer)
+            connection.close()
+        assert 2.0 <= time.monotonic() - opened < 6
+        assert all(a.startswith(b"HTTP/1.1 408") and b"within 2 s (--header-timeout)" in a for a in answers)
+        headers = {f"x-ordinary-{i}": "v" * 100 for i in range(40)}  # 40 fields, 4 KB: served
+        assert server.post("/embed", {"inputs": "a"}, headers)[0] == 200
+    finally:
+        server.stop()
+
+
+def test_work_for_clients_that_left_is_dropped(embedder):
+    """Requests whose clients disconnect while they wait in the queue are taken off it unrun, and counted (status
+    499 and bert_impl_dropped_requests in /metrics); the model ran the first, held request only."""
+    gated = GatedEngine(embedder)
+    server = Server(gated)
+    body = json.dumps({"inputs": [f"a sentence for nobody, number {i}" for i in range(32)]}).encode()
+    head = b"POST /embed HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(server.post, "/embed", {"inputs": "one"})  # taken by the worker, held at the gate
+            while not gated.held:
+                time.sleep(0.01)
+            leavers = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
+            for connection in leavers:
+                connection.sendall(head % len(body) + body)
+            while len(server.app.batcher.queue) < 8:
+                time.sleep(0.01)
+            for connection in leavers:
+                connection.close()
+            deadline = time.monotonic() + 10
+            while server.app.metrics.requests.labels("/embed", "499")._value.get() < 8:
+                assert time.monotonic() < deadline, "the server did not notice its clients leave"
+                time.sleep(0.01)
+            gated.gate.set()
+            assert first.result()[0] == 200
+        assert server.post("/embed", {"inputs": "after"})[0] == 200
+        metrics = server.get("/metrics")[1]
+        assert 'bert_impl_requests_total{route="/embed",status="499"} 8.0' in metrics
+        assert "bert_impl_dropped_requests_total 8.0" in metrics
+        assert gated.batches == [1, 1], gated.batches  # "one", then "after": nothing of the 8 x 32 sentences
+    finally:
+        gated.gate.set()
+        server.stop()
+
+
+def test_idle_connections_close_after_keep_alive_and_connections_past_the_cap_get_503(embedder):
+    """--keep-alive: an idle connection is closed after it; --max-connections: a request on a connection past the
+    cap is answered 503 (uvicorn's limit_concurrency), the others served."""
+    server = Server(embedder, Limits(keep_alive=1.0, max_connections=3))
+    request = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    try:
+        idle = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        idle.sendall(request)
+        assert idle.recv(65536).startswith(b"HTTP/1.1 200")
+        start = time.monotonic()
+        assert idle.recv(65536) == b""  # closed by the server
+        assert 0.5 < time.monotonic() - start < 3
+        held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(3)]
+        time.sleep(0.2)
+        answer, _ = raw_request(server.port, request)
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:100]
+        for connection in held:
+            connection.close()
+        time.sleep(0.2)
+        assert server.get("/health")[0] == 200
     finally:
         server.stop()
 
@@ -556,6 +790,32 @@ def test_sigterm_finishes_the_requests_in_flight(minilm_dir):
         assert status == 200 and len(got) == 8 and np.abs(np.array(got[0]) - want).max() < 1e-5
 
 
+@pytest.mark.slow
+def test_sigterm_exits_within_the_graceful_timeout_whatever_a_client_holds_open(minilm_dir):
+    """A client that sent half a body and then nothing holds its request open: SIGTERM still ends the console
+    script within --graceful-timeout (2 s here, plus the model worker's stop), where it waited for that client."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "modeling_bert_impl.server.cli", minilm_dir, "--port",
+                                str(port), "--dtype", "float32", "--graceful-timeout", "2"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (_listening(port) and read(urllib.request.Request(f"http://127.0.0.1:{port}/health"))[0] == 200):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port)) as holder:
+            holder.sendall(b"POST /embed HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                           b"content-length: 100\r\n\r\n{\"inputs\": ")
+            time.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            status = process.wait(timeout=60)
+            took = time.monotonic() - start
+        assert status in (0, -signal.SIGTERM) and took < 2 + 3, (status, took, process.stdout.read())
+    finally:
+        process.kill()
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -586,10 +846,13 @@ def test_the_console_script_sizes_onednns_caches_loads_freezes_and_serves(monkey
     monkeypatch.setattr("modeling_bert_impl.server.engine.Engine", load)
     monkeypatch.setattr(gc, "freeze", lambda: steps.append("freeze"))
     monkeypatch.setattr(gc, "unfreeze", lambda: steps.append("unfreeze"))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: steps.append(("serve", type(app).__name__, kwargs)))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: steps.append(
+        ("serve", type(app).__name__, {**kwargs, "http": kwargs["http"].__name__})))
     cli.main([minilm_dir, "--port", "8123"])
     assert steps == [("load", ("16", "64")), "freeze",
-                     ("serve", "App", {"host": "127.0.0.1", "port": 8123, "log_level": "info", "access_log": False}),
+                     ("serve", "App", {"host": "127.0.0.1", "port": 8123, "log_level": "info", "access_log": False,
+                                       "limit_concurrency": 1024, "timeout_keep_alive": 5.0,
+                                       "timeout_graceful_shutdown": 30.0, "http": "GuardedProtocol"}),
                      "unfreeze"]
     assert loaded[0]() is None  # freed before main returned
 

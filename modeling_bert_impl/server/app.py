@@ -12,13 +12,16 @@ routes: FastAPI's and Starlette's routing, middleware and request parsing took a
 millisecond (benchmarks/NOTES.md, "The server's own time").
 
 Every route answers its errors in its API's shape: TEI's `{"error", "error_type"}`, OpenAI's `{"error": {"message",
-"type", "param", "code"}}`; 422 for a malformed body (the field named), 413 for too many inputs or too long an input
-(the limit named), 429 with Retry-After when the queue is full, 401 without the API key where one is set, 404 and 405
-for a path or method the server does not have, 500 for a batch that failed (the server goes on).
+"type", "param", "code"}}`; 422 for a malformed body or a field of another JSON type (the field named), 413 for too
+many inputs, too long an input or too large a body (the limit named), 408 for a body that does not come in time, 429
+with Retry-After when the queue is full, 401 without the API key where one is set, 404 and 405 for a path or method
+the server does not have, 500 for a batch that failed (the server goes on). A request whose client leaves while it
+waits is dropped from the queue, and nothing is sent. Limits on a request's head are protocol.py's.
 """
 
 import asyncio
 import base64
+import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -29,7 +32,7 @@ import numpy as np
 import orjson
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..inference import free_thread_pool
 from .batching import Batcher
@@ -40,6 +43,7 @@ OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key: probes an
 QUEUED_ROUTES = ("/", "/embed", "/predict", "/rerank", "/v1/embeddings")  # their requests wait for the model
 TOKENIZING_THREADS = 4  # the app's thread pool: tokenizing (the Rust tokenizer runs without the GIL) and stopping
 JSON_TYPE = b"application/json"
+CLOSE = ((b"connection", b"close"),)  # a refused body's answer ends its connection: the rest is never read
 
 
 # Real tokens in one batch where none are chosen: text-embeddings-inference's 16384 on a GPU; on a CPU, where the
@@ -59,6 +63,17 @@ class Limits:
     max_concurrent_requests: int = 512
     max_input_length: int | None = None
     api_key: str | None = None
+    payload_limit: int = 2_000_000  # bytes of a request's body, as text-embeddings-inference's --payload-limit
+    body_timeout: float = 60.0  # seconds for a request's whole body to arrive (nginx's client_body_timeout's 60)
+    # enforced on each request's head (protocol.py), before the app: its bytes, its header fields, its time
+    max_header_bytes: int = 32768
+    max_headers: int = 100
+    header_timeout: float = 60.0
+    # enforced by uvicorn (cli.py passes them), said by /info: connections at once past which uvicorn answers 503,
+    # seconds an idle connection is kept, seconds a stop waits for the requests in flight
+    max_connections: int = 1024
+    keep_alive: float = 5.0
+    graceful_timeout: float = 30.0
 
 
 @dataclass
@@ -86,19 +101,26 @@ class RouteError(Exception):
         self.headers = headers  # more response headers: (name, value) bytes
 
 
-class Embed(BaseModel):
+class Body(BaseModel):
+    """A request body, its fields of the JSON types TEI and OpenAI document and no other: a boolean is true or false
+    (not "yes", 1 or 0.0), a token id an integer (not 1e3, "101" or true), a text a string."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class Embed(Body):
     inputs: str | list[str]
     normalize: bool = True
     truncate: bool = False
 
 
-class Predict(BaseModel):
+class Predict(Body):
     inputs: str | list[str] | list[list[str]]
     raw_scores: bool = False
     truncate: bool = False
 
 
-class Rerank(BaseModel):
+class Rerank(Body):
     query: str
     texts: list[str]
     raw_scores: bool = False
@@ -106,12 +128,12 @@ class Rerank(BaseModel):
     truncate: bool = False
 
 
-class Tokenize(BaseModel):
+class Tokenize(Body):
     inputs: str | list[str]
     add_special_tokens: bool = True
 
 
-class OpenAIEmbeddings(BaseModel):
+class OpenAIEmbeddings(Body):
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
     encoding_format: str = "float"
@@ -131,7 +153,10 @@ class Metrics:
                                       buckets=[2**i for i in range(4, 16)])
         self.latency = Histogram("bert_impl_request_duration_seconds", "Time from a request's arrival to its answer",
                                  ["route"], registry=self.registry)
-        self.requests = Counter("bert_impl_requests", "Requests answered", ["route", "status"], registry=self.registry)
+        self.requests = Counter("bert_impl_requests", "Requests answered (status 499: not, their client gone)",
+                                ["route", "status"], registry=self.registry)
+        self.dropped = Counter("bert_impl_dropped_requests", "Requests taken off the queue unrun, their client gone",
+                               registry=self.registry)
 
     def batch(self, inputs: int, tokens: int) -> None:
         self.batch_size.observe(inputs)
@@ -160,9 +185,9 @@ class App:
         self.batcher = Batcher(engine.run, self.max_batch_tokens, limits.max_batch_requests,
                                limits.max_concurrent_requests)
         self.metrics = Metrics(self.batcher)
-        self.batcher.on_batch = self.metrics.batch
+        self.batcher.on_batch, self.batcher.on_drop = self.metrics.batch, self.metrics.dropped.inc
         self.pool = ThreadPoolExecutor(TOKENIZING_THREADS, thread_name_prefix="bert-impl-tokenize")
-        self.authorization = None if limits.api_key is None else f"Bearer {limits.api_key}".encode()
+        self.api_key = None if limits.api_key is None else limits.api_key.encode()
         self.routes = {"/": Route("POST", self.root), "/embed": Route("POST", self.embed, Embed),
                        "/predict": Route("POST", self.predict, Predict), "/rerank": Route("POST", self.rerank, Rerank),
                        "/tokenize": Route("POST", self.tokenize, Tokenize),
@@ -179,6 +204,9 @@ class App:
         start, path = time.perf_counter(), scope["path"]
         try:
             reply = await self.answer(scope, receive, path)
+        except ClientGone:  # nothing to send it; counted as nginx counts a request its client closed
+            self.metrics.requests.labels(path, "499").inc()
+            return
         except RouteError as error:
             reply = error_reply(path, error)
         except Exception as error:  # a bug of ours: the request gets 500, the server goes on
@@ -197,8 +225,8 @@ class App:
         `QUEUED_ROUTES` while the queue is full, before the body is read, parsed or tokenized, so that refusing a
         request under overload costs the model's cores little (such a request, malformed or not, gets 429: its retry
         gets the answer); 404, 405; else the route's."""
-        if self.authorization is not None and path not in OPEN_ROUTES and header(scope, b"authorization") != \
-                self.authorization:
+        if self.api_key is not None and path not in OPEN_ROUTES and not bearer(header(scope, b"authorization"),
+                                                                                self.api_key):
             raise RouteError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                              "Unauthorized")
         method = scope["method"]
@@ -212,8 +240,9 @@ class App:
                              headers=((b"allow", route.method.encode()),))
         if method == "GET":
             return await route.handler()
-        body = await read_body(receive)
-        return await route.handler(validated(route.body_model, body) if route.body_model else body)
+        body = await read_body(scope, receive, self.limits.payload_limit, self.limits.body_timeout)
+        return await unless_gone(receive, route.handler(validated(route.body_model, body) if route.body_model
+                                                        else body))
 
     async def lifespan(self, receive, send) -> None:
         while True:
@@ -264,6 +293,7 @@ class App:
         """Queue the inputs (429 when the queue is full) and have the model worker settle `answer` on the loop as
         their batch ends: (encodings, rows), or the 500 of a batch that failed."""
         rows = self.queue(encodings)
+        loop.call_soon_threadsafe(answer.add_done_callback, lambda _: answer.cancelled() and rows.cancel())
 
         def pass_on(done: Future) -> None:  # on the model worker
             error = done.exception()
@@ -355,7 +385,7 @@ class App:
             self.check_count(given, "input")
             loop = asyncio.get_running_loop()
             answer = loop.create_future()  # (encodings, rows) or the request's error
-            encodings = [self.check_length(self.token_ids(ids), i, "input") for i, ids in enumerate(given)]
+            encodings = [self.check_length(self.token_ids(ids, i), i, "input") for i, ids in enumerate(given)]
             self.queue_and_settle(encodings, loop, answer)
             _, rows = await answer
         rows = normalize(rows.numpy())  # (B, H) float32
@@ -366,9 +396,11 @@ class App:
         return json_reply({"object": "list", "data": data, "model": body.model or self.engine.model_id,
                            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    def token_ids(self, ids: list[int]) -> Encoding:
+    def token_ids(self, ids: list[int], index: int) -> Encoding:
         vocabulary = self.engine.config.vocab_size
-        if not ids or any(not 0 <= i < vocabulary for i in ids):
+        if not ids:
+            raise RouteError(422, f"input: token id list {index} is empty", param="input")
+        if any(not 0 <= i < vocabulary for i in ids):
             raise RouteError(422, f"input: token ids must be in [0, {vocabulary})", param="input")
         return Encoding(list(ids), [0] * len(ids))
 
@@ -384,7 +416,11 @@ class App:
         return json_reply({**self.engine.info(), "max_input_length": self.max_input_length,
                            "max_batch_tokens": self.max_batch_tokens, "max_batch_requests": limits.max_batch_requests,
                            "max_client_batch_size": limits.max_client_batch_size,
-                           "max_concurrent_requests": limits.max_concurrent_requests})
+                           "max_concurrent_requests": limits.max_concurrent_requests,
+                           "payload_limit": limits.payload_limit, "body_timeout": limits.body_timeout,
+                           "max_header_bytes": limits.max_header_bytes, "max_headers": limits.max_headers,
+                           "header_timeout": limits.header_timeout, "max_connections": limits.max_connections,
+                           "keep_alive": limits.keep_alive, "graceful_timeout": limits.graceful_timeout})
 
     async def health(self) -> Reply:
         """200 while the model worker runs (liveness and readiness: the model is loaded before the port opens)."""
@@ -422,16 +458,59 @@ def header(scope, name: bytes) -> bytes | None:
     return next((value for key, value in scope["headers"] if key == name), None)
 
 
-async def read_body(receive) -> bytes:
-    """The request's whole body."""
-    chunks = []
+def bearer(authorization: bytes | None, key: bytes) -> bool:
+    """Whether an Authorization header's value holds `key` as a bearer token: the scheme matched in any case (HTTP's
+    schemes are case-insensitive), then one or more spaces, then the key exactly, compared in constant time (no
+    timing tells how much of a guess was right). Whitespace around the value is HTTP's and not the key's."""
+    scheme, _, token = (authorization or b"").strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), key)
+
+
+async def read_body(scope, receive, limit: int, timeout: float) -> bytes:
+    """The request's whole body, at most `limit` bytes, within `timeout` seconds: 413 at once for a Content-Length
+    above the limit (nothing of the body read), else as soon as the bytes received pass it (a chunked body, or one
+    longer than it said); 408 once the time is up. Either closes the connection, so that the rest of the body is
+    never read."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise payload_too_large(f"{int(declared)} bytes", limit)
+    chunks, size, deadline = [], 0, time.monotonic() + timeout
     while True:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+        except asyncio.TimeoutError:
+            raise RouteError(408, f"the body did not arrive within {timeout:g} s (--body-timeout)", "Timeout",
+                             param="body", headers=CLOSE) from None
         if message["type"] == "http.disconnect":
             raise RouteError(400, "the client went away before its body came", param="body")
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise payload_too_large(f"more than {limit} bytes", limit)
+        chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer: nothing is sent."""
+
+
+async def unless_gone(receive, work: Awaitable) -> Reply:
+    """`work`'s reply, or ClientGone once the client disconnects first (its request then cancelled: waiting in the
+    queue, it is dropped unrun). After the body, the server's next message for the request is its disconnect."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(receive())
+    await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        watch.cancel()
+        return task.result()
+    task.cancel()
+    raise ClientGone
+
+
+def payload_too_large(size: str, limit: int) -> RouteError:
+    return RouteError(413, f"the body has {size}, more than the {limit} allowed (--payload-limit)", param="body",
+                      headers=CLOSE)
 
 
 def validated(model: type[BaseModel], body: bytes):

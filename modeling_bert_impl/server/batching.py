@@ -30,8 +30,9 @@ class Batcher:
     """The queue and its model worker. `run` takes a batch's encodings and returns one output row per input."""
 
     def __init__(self, run: Callable[[list[Encoding]], torch.Tensor], max_batch_tokens: int,
-                 max_batch_requests: int | None, max_concurrent_requests: int, on_batch: Callable | None = None):
-        self.run, self.on_batch = run, on_batch
+                 max_batch_requests: int | None, max_concurrent_requests: int, on_batch: Callable | None = None,
+                 on_drop: Callable | None = None):
+        self.run, self.on_batch, self.on_drop = run, on_batch, on_drop  # on_drop(): a cancelled job left unrun
         self.max_batch_tokens, self.max_batch_requests = max_batch_tokens, max_batch_requests
         self.max_concurrent_requests = max_concurrent_requests
         self.queue: deque[Job] = deque()
@@ -88,6 +89,8 @@ class Batcher:
             if job.future.set_running_or_notify_cancel():  # False: its request is gone (cancelled); else running
                 jobs.append(job)
                 tokens, inputs = tokens + job.tokens, inputs + len(job.encodings)
+            elif self.on_drop is not None:
+                self.on_drop()
         return jobs
 
     def serve(self) -> None:

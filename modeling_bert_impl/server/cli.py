@@ -49,6 +49,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens in one input at most (default and ceiling: the model's)")
     parser.add_argument("--api-key", default=os.environ.get("BERT_IMPL_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $BERT_IMPL_API_KEY; none: open)")
+    parser.add_argument("--payload-limit", type=int, default=2_000_000,
+                        help="bytes of a request's body at most; more is answered 413 (default 2000000, as TEI's)")
+    parser.add_argument("--body-timeout", type=float, default=60.0,
+                        help="seconds for a request's whole body to arrive; then 408 and the connection closed "
+                             "(default 60)")
+    parser.add_argument("--max-header-bytes", type=int, default=32768,
+                        help="bytes of a request's line and headers at most; more is answered 431 (default 32768)")
+    parser.add_argument("--max-headers", type=int, default=100,
+                        help="header fields of a request at most; more is answered 431 (default 100)")
+    parser.add_argument("--header-timeout", type=float, default=60.0,
+                        help="seconds for a request's headers to arrive; then 408 and the connection closed "
+                             "(default 60)")
+    parser.add_argument("--max-connections", type=int, default=1024,
+                        help="connections (and requests in flight) at once; past it uvicorn answers 503 (default 1024)")
+    parser.add_argument("--keep-alive", type=float, default=5.0,
+                        help="seconds an idle connection is kept open (default 5)")
+    parser.add_argument("--graceful-timeout", type=float, default=30.0,
+                        help="seconds SIGTERM waits for the requests in flight before it closes every connection and "
+                             "exits (default 30)")
     parser.add_argument("--access-log", action="store_true",
                         help="log a line per request (uvicorn's access log; off by default: writing it costs a "
                              "request a tenth of a millisecond or more, and /metrics counts the requests)")
@@ -105,11 +124,22 @@ def main(argv: list[str] | None = None) -> None:
     logger.info(f"{args.model}: {engine.kind} model, {info['engine']}, {info['model_dtype']}, {info['device']}, "
                 f"{info['threads']} threads")
     limits = Limits(args.max_batch_tokens, args.max_batch_requests, args.max_client_batch_size,
-                    args.max_concurrent_requests, args.max_input_length, args.api_key)
+                    args.max_concurrent_requests, args.max_input_length, args.api_key, args.payload_limit,
+                    args.body_timeout, args.max_header_bytes, args.max_headers, args.header_timeout,
+                    args.max_connections, args.keep_alive, args.graceful_timeout)
     app = create_app(engine, limits)
     freeze_garbage_collector()
-    serve(lambda: uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                                    access_log=args.access_log), engine)
+    serve(lambda: uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
+                              **uvicorn_limits(limits)), engine)
+
+
+def uvicorn_limits(limits) -> dict:
+    """uvicorn's arguments for the limits outside the app: its own, and its protocol with the guard on each request's
+    head (protocol.py)."""
+    from .protocol import guarded_protocol
+
+    return {"limit_concurrency": limits.max_connections, "timeout_keep_alive": limits.keep_alive,
+            "timeout_graceful_shutdown": limits.graceful_timeout, "http": guarded_protocol(limits)}
 
 
 def serve(run, engine) -> None:

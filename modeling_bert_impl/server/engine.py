@@ -45,7 +45,7 @@ class Engine:
     (a sequence-classification head with one label: a cross-encoder scoring (query, text) pairs)."""
 
     def __init__(self, model_id: str, choice: EngineChoice = EngineChoice(), pooling: str | None = None):
-        self.model_id = model_id
+        self.model_id = model_name(model_id)
         config = AutoConfig.from_pretrained(model_id)
         autos = [auto_class_of(name) for name in config.architectures or []]
         if "AutoModelForSequenceClassification" in autos:
@@ -191,6 +191,12 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
     if pooling == "mean":
         return (hidden * real).sum(1) / real.sum(1).clamp_min(1)
     return hidden.masked_fill(real == 0, float("-inf")).amax(1)
+
+
+def model_name(model_id: str) -> str:
+    """The model's name as the server says it (/info, OpenAI's `model`, messages): a Hub id as given, or a folder's
+    own name, never the path on the server's disk."""
+    return os.path.basename(os.path.normpath(model_id)) if os.path.isdir(model_id) else model_id
 
 
 def sentence_transformers_pooling(model_id: str) -> tuple[str, bool]:
