@@ -292,8 +292,7 @@ class App:
     def queue_and_settle(self, encodings: list, loop, answer: asyncio.Future) -> None:
         """Queue the inputs (429 when the queue is full) and have the model worker settle `answer` on the loop as
         their batch ends: (encodings, rows), or the 500 of a batch that failed."""
-        rows = self.queue(encodings)
-        loop.call_soon_threadsafe(answer.add_done_callback, lambda _: answer.cancelled() and rows.cancel())
+        rows = self.queue(encodings, answer.cancelled)
 
         def pass_on(done: Future) -> None:  # on the model worker
             error = done.exception()
@@ -309,9 +308,10 @@ class App:
                                   "it", param=param)
         return encoding
 
-    def queue(self, encodings: list) -> Future:
-        """The future of these inputs' rows, queued for the model: 429 when the queue is full."""
-        future = self.batcher.submit(encodings)
+    def queue(self, encodings: list, gone=bool) -> Future:
+        """The future of these inputs' rows, queued for the model (dropped unrun once `gone()`, its request cancelled):
+        429 when the queue is full."""
+        future = self.batcher.submit(encodings, gone)
         if future is None:
             raise overloaded(self.batcher)
         return future

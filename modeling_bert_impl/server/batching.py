@@ -20,6 +20,7 @@ class Job:
 
     encodings: list[Encoding]
     future: Future = field(default_factory=Future)
+    gone: Callable[[], bool] = bool  # whether its request is gone (its client left): read by the worker, unlocked
 
     @property
     def tokens(self) -> int:
@@ -54,9 +55,10 @@ class Batcher:
         """Whether `max_concurrent_requests` are waiting (overload): the next request is refused."""
         return len(self.queue) >= self.max_concurrent_requests
 
-    def submit(self, encodings: list[Encoding]) -> Future | None:
-        """Queue a request; its future, or None where the queue is `full`."""
-        job = Job(encodings)
+    def submit(self, encodings: list[Encoding], gone: Callable[[], bool] = bool) -> Future | None:
+        """Queue a request; its future, or None where the queue is `full`. `gone()`: whether the request is gone
+        since, so that its job is dropped unrun."""
+        job = Job(encodings, gone=gone)
         with self.ready:
             if self.full():
                 return None
@@ -86,7 +88,7 @@ class Batcher:
             if jobs and (tokens + job.tokens > self.max_batch_tokens or too_many):
                 break
             self.queue.popleft()
-            if job.future.set_running_or_notify_cancel():  # False: its request is gone (cancelled); else running
+            if not job.gone() and job.future.set_running_or_notify_cancel():  # else its request is gone
                 jobs.append(job)
                 tokens, inputs = tokens + job.tokens, inputs + len(job.encodings)
             elif self.on_drop is not None:
