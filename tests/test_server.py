@@ -611,7 +611,7 @@ def test_a_queue_filled_after_the_entry_check_answers_429_on_every_path(embedder
     it then gets 429 too, on the text path and on OpenAI's token-id path alike, not a 500."""
     server = Server(embedder)
     try:
-        monkeypatch.setattr(server.app.batcher, "submit", lambda encodings: None)  # full by the time it queues
+        monkeypatch.setattr(server.app.batcher, "submit", lambda encodings, gone=bool: None)  # full by the time it queues
         ids = embedder.tokenizer("three")["input_ids"]
         for route, body in [("/embed", {"inputs": "three"}), ("/v1/embeddings", {"input": "three"}),
                             ("/v1/embeddings", {"input": ids}), ("/v1/embeddings", {"input": [ids, ids]})]:
