@@ -97,7 +97,9 @@ def test_gptq_keeps_the_product_closer_than_rounding_to_nearest():
     assert torch.equal(quantization.gptq_round(w, scale, 5 * torch.eye(inp), levels).float(), nearest)
 
 
-@pytest.mark.parametrize("head", sorted({cls.__name__ for cls in AUTO_CLASSES.values()} - {"BertImplModel"}))
+@pytest.mark.parametrize("head", [head if head in ("BertImplForSequenceClassification", "BertImplForMaskedLM") else
+                                  pytest.param(head, marks=pytest.mark.slow)  # 4-5 s each
+                                  for head in sorted({cls.__name__ for cls in AUTO_CLASSES.values()} - {"BertImplModel"})])
 def test_every_head_runs_int8(minilm_dir, text, head):
     calibration, evaluation = text
     torch.manual_seed(0)

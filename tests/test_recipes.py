@@ -246,6 +246,7 @@ print(json.dumps({"held": held, "freed": model() is None, "initialized": dist.is
 """
 
 
+@pytest.mark.slow  # two ranks under torchrun
 def test_a_distributed_run_frees_its_model_and_leaves_the_group_before_exit(tmp_path):
     """`common.leave_process_group` (each recipe's last call): the DDP model left in reference cycles after `main`,
     which holds the gloo group, is freed while the interpreter is whole, then the group is left (one process here)."""
