@@ -7,6 +7,7 @@ the CPU has bfloat16 units (AMX, AVX512-BF16); --int8 quantizes, --compile compi
 """
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -15,12 +16,28 @@ import sys
 
 from ..inference.packed_linear import bound_onednn_caches
 from .engine import DTYPES, POOLINGS, EngineChoice
+from .limits import Limits
 
 logger = logging.getLogger("bert_impl.serve")
 # oneDNN's two per-shape caches, entries each where the environment does not size them (the engines keep 256): a
 # server's batches hold any number of tokens, so a shape kept is seldom met again, and 256 of them grew the process by
 # about 300 MB under load (benchmarks/NOTES.md, "The server's memory under overload").
 ONEDNN_CACHE_ENTRIES = 16
+
+
+# The limits on what a client may send and for how long (docs/serving.md's table says which layer enforces each):
+# flag, type, help; the default is `Limits`'.
+LIMIT_FLAGS = [
+    ("--payload-limit", int, "bytes of a request's body at most, as TEI's --payload-limit; more is answered 413"),
+    ("--body-timeout", float, "seconds for a request's whole body to arrive; then 408 and the connection closed"),
+    ("--max-header-bytes", int, "bytes of a request's line and headers at most; more is answered 431"),
+    ("--max-headers", int, "header fields of a request at most; more is answered 431"),
+    ("--header-timeout", float, "seconds for a request's headers to arrive; then 408 and the connection closed"),
+    ("--max-connections", int, "connections (and requests in flight) at once; past it uvicorn answers 503"),
+    ("--keep-alive", float, "seconds an idle connection is kept open"),
+    ("--graceful-timeout", float, "seconds SIGTERM waits for the requests in flight before it closes every "
+                                  "connection and exits"),
+]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,32 +59,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="real tokens in one batch at most (default: 4096 on a CPU, 16384 on a GPU)")
     parser.add_argument("--max-batch-requests", type=int, default=None, help="inputs in one batch at most")
-    parser.add_argument("--max-client-batch-size", type=int, default=32, help="inputs in one request at most")
-    parser.add_argument("--max-concurrent-requests", type=int, default=512,
+    limits = Limits()  # the flags' defaults
+    parser.add_argument("--max-client-batch-size", type=int, default=limits.max_client_batch_size,
+                        help="inputs in one request at most")
+    parser.add_argument("--max-concurrent-requests", type=int, default=limits.max_concurrent_requests,
                         help="requests waiting at most; more are answered 429 with Retry-After")
     parser.add_argument("--max-input-length", type=int, default=None,
                         help="tokens in one input at most (default and ceiling: the model's)")
     parser.add_argument("--api-key", default=os.environ.get("BERT_IMPL_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $BERT_IMPL_API_KEY; none: open)")
-    parser.add_argument("--payload-limit", type=int, default=2_000_000,
-                        help="bytes of a request's body at most; more is answered 413 (default 2000000, as TEI's)")
-    parser.add_argument("--body-timeout", type=float, default=60.0,
-                        help="seconds for a request's whole body to arrive; then 408 and the connection closed "
-                             "(default 60)")
-    parser.add_argument("--max-header-bytes", type=int, default=32768,
-                        help="bytes of a request's line and headers at most; more is answered 431 (default 32768)")
-    parser.add_argument("--max-headers", type=int, default=100,
-                        help="header fields of a request at most; more is answered 431 (default 100)")
-    parser.add_argument("--header-timeout", type=float, default=60.0,
-                        help="seconds for a request's headers to arrive; then 408 and the connection closed "
-                             "(default 60)")
-    parser.add_argument("--max-connections", type=int, default=1024,
-                        help="connections (and requests in flight) at once; past it uvicorn answers 503 (default 1024)")
-    parser.add_argument("--keep-alive", type=float, default=5.0,
-                        help="seconds an idle connection is kept open (default 5)")
-    parser.add_argument("--graceful-timeout", type=float, default=30.0,
-                        help="seconds SIGTERM waits for the requests in flight before it closes every connection and "
-                             "exits (default 30)")
+    for flag, kind, help_text in LIMIT_FLAGS:
+        parser.add_argument(flag, type=kind, default=getattr(limits, flag[2:].replace("-", "_")),
+                            help=help_text + " (default %(default)s)")
     parser.add_argument("--access-log", action="store_true",
                         help="log a line per request (uvicorn's access log; off by default: writing it costs a "
                              "request a tenth of a millisecond or more, and /metrics counts the requests)")
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvicorn
 
-        from .app import Limits, create_app
+        from .app import create_app
         from .engine import Engine
     except ImportError as error:
         sys.exit(f"bert-impl-serve needs {error.name}, of bert-impl's `serve` extra: pip install 'bert-impl[serve]'")
@@ -123,10 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     info = engine.info()
     logger.info(f"{args.model}: {engine.kind} model, {info['engine']}, {info['model_dtype']}, {info['device']}, "
                 f"{info['threads']} threads")
-    limits = Limits(args.max_batch_tokens, args.max_batch_requests, args.max_client_batch_size,
-                    args.max_concurrent_requests, args.max_input_length, args.api_key, args.payload_limit,
-                    args.body_timeout, args.max_header_bytes, args.max_headers, args.header_timeout,
-                    args.max_connections, args.keep_alive, args.graceful_timeout)
+    limits = Limits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Limits)})
     app = create_app(engine, limits)
     freeze_garbage_collector()
     serve(lambda: uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
