@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+from ..input_checks import TRACING_SUPPORTED
+from .threads import usable_cpus
+
 CSRC = Path(__file__).with_name("csrc")
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,8 @@ def quick_call():
     if sys.platform != "linux":
         return None
     flags = ["-O2", "-shared", "-fPIC", "-std=c++20", "-w", "-I", sysconfig.get_paths()["include"],
-             *torch_flags("c10", "torch_cpu", "torch_python")]
+             *torch_flags("c10", "torch_cpu", "torch_python"),
+             *(["-DRUNNERS_ARGUMENT"] if TRACING_SUPPORTED else [])]  # the releases whose loader takes a count
     try:
         path = build(CSRC / "quick_call.cpp", flags, sysconfig.get_config_var("EXT_SUFFIX") or ".so")
         spec = importlib.util.spec_from_file_location("quick_call", path)
@@ -78,9 +82,10 @@ def snapshot(tensors: list = (), dicts: list = ()):
 
 def program(package_path: str):
     """An AOTInductor package's program: a callable of a list of input tensors, returning the list of outputs.
-    `quick_call().Program`, which releases the GIL while it runs, or AOTInductor's own loader (which holds it) where the
-    module cannot be built."""
+    `quick_call().Program`, which releases the GIL while it runs and runs as many calls at once as the process may run
+    threads (`usable_cpus`: a server's model streams), or AOTInductor's own loader (which holds the GIL, one call at a
+    time) where the module cannot be built."""
     module = quick_call()
     if module is None:
         return torch._inductor.aoti_load_package(package_path).loader.boxed_run
-    return module.Program(package_path)
+    return module.Program(package_path, usable_cpus())

@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..inference import free_thread_pool
-from .batching import Batcher
+from .batching import Batcher, stream_plan
 from .limits import Limits
 from .engine import Encoding, Engine
 
@@ -134,10 +134,16 @@ class Metrics:
                                 ["route", "status"], registry=self.registry)
         self.dropped = Counter("bert_impl_dropped_requests", "Requests taken off the queue unrun, their client gone",
                                registry=self.registry)
+        self.stream_batches = Counter("bert_impl_stream_batches", "Batches a model stream ran, by the threads they ran "
+                                      "on", ["stream", "threads"], registry=self.registry)
+        self.stream_busy = Counter("bert_impl_stream_busy_seconds", "Seconds a model stream spent running batches",
+                                   ["stream"], registry=self.registry)
 
-    def batch(self, inputs: int, tokens: int) -> None:
+    def batch(self, stream: int, inputs: int, tokens: int, seconds: float, threads: int) -> None:
         self.batch_size.observe(inputs)
         self.batch_tokens.observe(tokens)
+        self.stream_batches.labels(str(stream), str(threads)).inc()
+        self.stream_busy.labels(str(stream)).inc(seconds)
 
 
 @dataclass
@@ -150,7 +156,7 @@ class Route:
 
 
 class App:
-    """The ASGI application serving `engine` within `limits`; its model worker starts and stops with the lifespan
+    """The ASGI application serving `engine` within `limits`; its model streams start and stop with the lifespan
     (stopping finishes the requests queued). Each HTTP request's latency and status go to the metrics; requests to
     paths the app does not have are counted under the route "other" (a label per path a client makes up would grow the
     metrics without end)."""
@@ -159,8 +165,11 @@ class App:
         self.engine, self.limits = engine, limits
         self.max_input_length = min(limits.max_input_length or engine.max_input_length, engine.max_input_length)
         self.max_batch_tokens = limits.max_batch_tokens or BATCH_TOKENS.get(engine.device.type, BATCH_TOKENS["cuda"])
+        streams, threads = 1, None  # CUDA: one stream, its launches queued on one device
+        if engine.device.type == "cpu":
+            streams, threads = stream_plan(torch.get_num_threads(), limits.streams, limits.threads_per_stream)
         self.batcher = Batcher(engine.run, self.max_batch_tokens, limits.max_batch_requests,
-                               limits.max_concurrent_requests)
+                               limits.max_concurrent_requests, streams=streams, threads_per_stream=threads)
         self.metrics = Metrics(self.batcher)
         self.batcher.on_batch, self.batcher.on_drop = self.metrics.batch, self.metrics.dropped.inc
         self.pool = ThreadPoolExecutor(TOKENIZING_THREADS, thread_name_prefix="bert-impl-tokenize")
@@ -225,7 +234,7 @@ class App:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                # the model computes on the worker from now on; this thread, which loaded it, holds an OpenMP pool
+                # the model computes on the streams from now on; this thread, which loaded it, holds an OpenMP pool
                 free_thread_pool()
                 self.batcher.start()
                 await send({"type": "lifespan.startup.complete"})
@@ -246,7 +255,7 @@ class App:
     async def text_rows(self, texts: list, truncate: bool,
                         param: str = "inputs") -> tuple[list[Encoding], torch.Tensor]:
         """The texts' token ids and the model's output rows for them: tokenized and queued in the app's thread pool,
-        where the model worker takes them from, and the event loop woken once, by the rows (the worker hands them to
+        where the model streams take them from, and the event loop woken once, by the rows (the stream hands them to
         the loop itself); 413 for too many texts, or for one too long without `truncate`, naming the body's field
         `param`."""
         self.check_count(texts, param)
@@ -267,11 +276,11 @@ class App:
             loop.call_soon_threadsafe(settle, answer, None, error)
 
     def queue_and_settle(self, encodings: list, loop, answer: asyncio.Future) -> None:
-        """Queue the inputs (429 when the queue is full) and have the model worker settle `answer` on the loop as
+        """Queue the inputs (429 when the queue is full) and have the model stream settle `answer` on the loop as
         their batch ends: (encodings, rows), or the 500 of a batch that failed."""
         rows = self.queue(encodings, answer.cancelled)
 
-        def pass_on(done: Future) -> None:  # on the model worker
+        def pass_on(done: Future) -> None:  # on the model stream
             error = done.exception()
             loop.call_soon_threadsafe(settle, answer, None if error else (encodings, done.result()),
                                       error and backend_error(error))
@@ -390,7 +399,10 @@ class App:
 
     async def info(self) -> Reply:
         limits = self.limits
-        return json_reply({**self.engine.info(), "max_input_length": self.max_input_length,
+        batcher = self.batcher
+        return json_reply({**self.engine.info(), "streams": batcher.streams,
+                           "threads_per_stream": batcher.threads_per_stream, "threads": batcher.wide_threads,
+                           "max_input_length": self.max_input_length,
                            "max_batch_tokens": self.max_batch_tokens, "max_batch_requests": limits.max_batch_requests,
                            "max_client_batch_size": limits.max_client_batch_size,
                            "max_concurrent_requests": limits.max_concurrent_requests,
@@ -400,9 +412,9 @@ class App:
                            "keep_alive": limits.keep_alive, "graceful_timeout": limits.graceful_timeout})
 
     async def health(self) -> Reply:
-        """200 while the model worker runs (liveness and readiness: the model is loaded before the port opens)."""
-        if not self.batcher.worker.is_alive():
-            raise RouteError(503, "the model worker is not running", "Unhealthy")
+        """200 while the model streams run (liveness and readiness: the model is loaded before the port opens)."""
+        if not self.batcher.alive():
+            raise RouteError(503, "a model stream is not running", "Unhealthy")
         return Reply(200, b"", b"text/plain")
 
     async def prometheus(self) -> Reply:

@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="real tokens in one batch at most (default: 4096 on a CPU, 16384 on a GPU)")
     parser.add_argument("--max-batch-requests", type=int, default=None, help="inputs in one batch at most")
+    parser.add_argument("--streams", type=positive, default=None,
+                        help="model streams on the CPU: batches run at once, each on threads of its own (default: one "
+                             "a thread the process may run; docs/serving.md says when to choose)")
+    parser.add_argument("--threads-per-stream", type=positive, default=None,
+                        help="threads of each stream's batches (default: the threads the process may run, divided "
+                             "among the streams); a batch alone runs on every stream's threads")
     limits = Limits()  # the flags' defaults
     parser.add_argument("--max-client-batch-size", type=int, default=limits.max_client_batch_size,
                         help="inputs in one request at most")
@@ -81,9 +87,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--calibration {args.calibration} is read by --int8 only: add --int8, or leave it out")
     if args.calibration and not os.path.isfile(args.calibration):
         parser.error(f"--calibration {args.calibration}: no such file (texts like those to be served, one a line)")
+    if args.device is not None and args.device.startswith("cuda") and (args.streams or 1) > 1:
+        parser.error(f"--streams {args.streams}: a CUDA device runs one stream (its kernels are queued on the device)")
     if (problem := unloadable(args.model)) is not None:
         parser.error(problem)
     return args
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1")
+    return value
 
 
 def unloadable(model: str) -> str | None:
@@ -123,11 +138,13 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError) as error:  # a folder without a model, a Hub id not found or not reached, a config
         # transformers cannot read: said in a line, not a traceback from inside transformers or the Hub's client
         sys.exit(f"bert-impl-serve: cannot load {args.model}: {str(error).strip().splitlines()[0]}")
-    info = engine.info()
-    logger.info(f"{args.model}: {engine.kind} model, {info['engine']}, {info['model_dtype']}, {info['device']}, "
-                f"{info['threads']} threads")
     limits = Limits(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Limits)})
     app = create_app(engine, limits)
+    info, batcher = engine.info(), app.batcher
+    streams = (f"{batcher.streams} model stream(s) of {batcher.threads_per_stream} thread(s), a batch alone on "
+               f"{batcher.wide_threads}" if batcher.threads_per_stream else "one model stream")
+    logger.info(f"{args.model}: {engine.kind} model, {info['engine']}, {info['model_dtype']}, {info['device']}, "
+                f"{streams}")
     freeze_garbage_collector()
     serve(lambda: uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
                               **uvicorn_limits(limits)), engine)

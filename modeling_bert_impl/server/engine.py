@@ -163,7 +163,7 @@ class Engine:
             labels = {str(i): label for i, label in self.config.id2label.items()}
             model_type = {self.kind: {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}}
         return {"model_id": self.model_id, "model_dtype": self.dtype, "model_type": model_type, "engine": self.engine,
-                "device": str(self.device), "threads": torch.get_num_threads()}
+                "device": str(self.device)}
 
 
 def fixed_backend(tokenizer, max_length: int | None):

@@ -7,11 +7,14 @@ from dataclasses import dataclass
 
 @dataclass
 class Limits:
-    """The server's limits, by text-embeddings-inference's names; None: the device's `BATCH_TOKENS`, the model's
-    longest input."""
+    """The server's limits, by text-embeddings-inference's names, and its model streams; None: the device's
+    `BATCH_TOKENS`, the model's longest input, the streams `stream_plan` chooses."""
 
     max_batch_tokens: int | None = None
     max_batch_requests: int | None = None
+    # the model streams (batching.py): None: chosen from the threads the process may run (`stream_plan`)
+    streams: int | None = None
+    threads_per_stream: int | None = None
     max_client_batch_size: int = 32
     max_concurrent_requests: int = 512
     max_input_length: int | None = None

@@ -24,11 +24,13 @@
 //   CompiledEncoder.constants). None for every other call: the model's own checks (compiled_encoder.py:
 //   program_inputs) decide it, which take every call this takes, with the same inputs.
 //
-// Program(package_path)(inputs) -> outputs
+// Program(package_path, runners=1)(inputs) -> outputs
 //   An AOTInductor package's program, as torch._inductor.aoti_load_package loads it, run on a list of tensors with the
 //   GIL released: torch's own binding holds it for the whole run, so a server's event loop (or any other Python
-//   thread) stood still while a batch ran. Calls from several threads take turns (AOTInductor's container runs one
-//   at a time). RuntimeError with AOTInductor's message where the package does not load or the inputs do not fit.
+//   thread) stood still while a batch ran. `runners` calls run at once, from as many threads (AOTInductor's container
+//   holds that many instances of the model, sharing its weights); more take turns. Built with RUNNERS_ARGUMENT
+//   defined where torch's loader takes the count (the torch releases that compile, native.py), else one.
+//   RuntimeError with AOTInductor's message where the package does not load or the inputs do not fit.
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
@@ -413,12 +415,18 @@ struct Program {
 
 PyObject* program_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   const char* path;
-  static const char* names[] = {"package_path", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s", const_cast<char**>(names), &path)) return nullptr;
+  Py_ssize_t runners = 1;
+  static const char* names[] = {"package_path", "runners", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s|n", const_cast<char**>(names), &path, &runners)) return nullptr;
+  if (runners < 1) return PyErr_Format(PyExc_ValueError, "runners: %zd, at least 1", runners);
   auto* self = reinterpret_cast<Program*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
   try {
+#ifdef RUNNERS_ARGUMENT
+    self->loader = new torch::inductor::AOTIModelPackageLoader(path, "model", false, static_cast<size_t>(runners));
+#else
     self->loader = new torch::inductor::AOTIModelPackageLoader(path);
+#endif
   } catch (const std::exception& error) {
     Py_DECREF(self);
     return PyErr_Format(PyExc_RuntimeError, "%s: %s", path, error.what());
@@ -526,7 +534,7 @@ PyMODINIT_FUNC PyInit_quick_call() {
   SingleQueryType.tp_methods = query_methods;
   ProgramType.tp_basicsize = sizeof(Program);
   ProgramType.tp_flags = Py_TPFLAGS_DEFAULT;
-  ProgramType.tp_doc = "Program(package_path)(inputs): an AOTInductor package's program, run with the GIL released";
+  ProgramType.tp_doc = "Program(package_path, runners=1)(inputs): an AOTInductor package's program, GIL released";
   ProgramType.tp_new = program_new;
   ProgramType.tp_call = program_call;
   ProgramType.tp_dealloc = program_dealloc;
