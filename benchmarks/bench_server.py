@@ -34,6 +34,15 @@ Three more parts, bert-impl alone:
 - engine: each bert-impl engine of `--servers` in this process, no server, on each workload's requests packed into
   batches as the server's worker packs them, back to back for `--seconds`: the ceiling of that engine's server here.
 
+Beside other work, for every server's run alike:
+- `--busy N`: N processes each keep a core busy (a Python loop) while the load runs, started once the server is up and
+  warmed (a neighbour arriving on a running server).
+- `--cpu-quota Q`: every server starts inside a cgroup of its own with a CPU quota of Q CPUs (cgroup v2's `cpu.max`,
+  or v1's `cpu.cfs_quota_us`: a Kubernetes `limits: cpu`), the client outside it; the times the server was throttled
+  are printed. Where no cgroup can be made (not root, no writable cpu controller), said and the run skipped.
+- `--client parse`: each client parses every answer's JSON, as users' clients do (the default, `light`, reads the
+  bytes only).
+
 Every server gets OpenAI's embeddings request (`input`: a list of texts). Workloads: one sentence of 8..128 tokens a
 request, and 1..32 such sentences a request, drawn with a fixed seed from a corpus of words of the model's vocabulary.
 Each of `--clients` threads sends requests back to back over its own keep-alive connection for `--seconds` (at most
@@ -189,11 +198,56 @@ def commands(args, port: int, workdir: str) -> dict:
     return out
 
 
-def start(command: list[str], port: int, cwd: str | None = None) -> subprocess.Popen:
+class CpuQuota:
+    """A cgroup of this benchmark's own with a CPU quota of `cpus` CPUs (v2 where the cpu controller is there, else
+    v1), which the servers start in (`enter`, as a process's `preexec_fn`); `throttled()` reads its counts. `error`:
+    why none could be made (then nothing else works)."""
+
+    def __init__(self, cpus: float, root: str = "/sys/fs/cgroup"):
+        self.folder, self.error = None, None
+        name = f"bench-server-{os.getpid()}"
+        v2 = os.path.exists(os.path.join(root, "cgroup.controllers"))
+        try:
+            if v2:
+                with open(os.path.join(root, "cgroup.subtree_control"), "w") as f:
+                    f.write("+cpu")
+                self.folder = os.path.join(root, name)
+                os.mkdir(self.folder)
+                with open(os.path.join(self.folder, "cpu.max"), "w") as f:
+                    f.write(f"{round(cpus * 100000)} 100000")
+            else:
+                self.folder = os.path.join(root, "cpu", name)
+                os.mkdir(self.folder)
+                with open(os.path.join(self.folder, "cpu.cfs_quota_us"), "w") as f:
+                    f.write(str(round(cpus * int(open(os.path.join(self.folder, "cpu.cfs_period_us")).read()))))
+        except OSError as error:
+            self.error = f"no cgroup with a CPU quota can be made here ({error}); the --cpu-quota run is skipped"
+            self.remove()
+
+    def enter(self) -> None:
+        with open(os.path.join(self.folder, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def throttled(self) -> dict:
+        with open(os.path.join(self.folder, "cpu.stat")) as f:
+            return {k: int(v) for k, v in (line.split() for line in f)}
+
+    def remove(self) -> None:
+        if self.folder is not None and os.path.isdir(self.folder):
+            for _ in range(50):  # the server's process leaves the cgroup a moment after it exits
+                try:
+                    os.rmdir(self.folder)
+                    return
+                except OSError:
+                    time.sleep(0.1)
+
+
+def start(command: list[str], port: int, cwd: str | None = None, quota: CpuQuota | None = None) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "INFINITY_ANONYMOUS_USAGE_STATS": "0", "ST_MODEL": minilm_dir()}  # st-fastapi's model
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a server logging every request would fill a pipe and stall
-    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=quota.enter if quota else None)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -210,8 +264,17 @@ def start(command: list[str], port: int, cwd: str | None = None) -> subprocess.P
     raise RuntimeError(f"{command[0]} did not answer /health in 300 s")
 
 
-def load(port: int, route: str, work: list[list[list[str]]], seconds: float) -> dict:
-    """Closed loop: each client sends its requests back to back until `seconds` pass; latencies and sentences."""
+BUSY = "while True: pass"  # a neighbour keeping a core busy
+
+
+def busy(count: int) -> list[subprocess.Popen]:
+    """`count` processes, each keeping a core busy until killed."""
+    return [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(count)]
+
+
+def load(port: int, route: str, work: list[list[list[str]]], seconds: float, parse: bool = False) -> dict:
+    """Closed loop: each client sends its requests back to back until `seconds` pass; latencies and sentences.
+    `parse`: each answer's JSON parsed (and its count of embeddings checked), as users' clients do."""
     latencies, sentences, errors = [], [0], [0]
     lock = threading.Lock()
     stop_at = time.monotonic() + seconds
@@ -226,8 +289,8 @@ def load(port: int, route: str, work: list[list[list[str]]], seconds: float) -> 
             try:
                 connection.request("POST", route, body, {"content-type": "application/json"})
                 response = connection.getresponse()
-                response.read()
-                ok = response.status == 200
+                answer = response.read()
+                ok = response.status == 200 and (not parse or len(json.loads(answer)["data"]) == len(texts))
             except OSError:
                 ok = False
                 connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -427,6 +490,11 @@ def main():
     parser.add_argument("--workloads", nargs="+", default=["single", "multi"], choices=["single", "multi"])
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--max-requests", type=int, default=5000, help="per client, at most")
+    parser.add_argument("--busy", type=int, default=0, help="processes keeping a core busy each while the load runs")
+    parser.add_argument("--cpu-quota", type=float, default=None,
+                        help="start every server in a cgroup with a quota of this many CPUs (root, cgroup v1 or v2)")
+    parser.add_argument("--client", choices=["light", "parse"], default="light",
+                        help="parse: each client parses every answer's JSON")
     parser.add_argument("--infinity-venv", default="/tmp/bench-infinity-venv")
     parser.add_argument("--serve-args", default="",
                         help="more flags for bert-impl-serve, e.g. '--max-batch-tokens 4096'")
@@ -441,29 +509,22 @@ def main():
         return overload(sentences, args.seconds)
     if args.part == "engine":
         return engine_alone(sentences, args)
-    print(f"# {os.uname().machine}, {os.cpu_count()} CPUs, bfloat16 units: {cpu_bf16_units()}; loadavg {loadavg()}")
+    quota = None if args.cpu_quota is None else CpuQuota(args.cpu_quota)
+    if quota is not None and quota.error:
+        print(quota.error)
+        return
+    print(f"# {os.uname().machine}, {os.cpu_count()} CPUs, bfloat16 units: {cpu_bf16_units()}; loadavg {loadavg()}; "
+          f"beside: {args.busy} busy cores, CPU quota {args.cpu_quota}, client {args.client}")
     results = []
     with tempfile.TemporaryDirectory() as workdir:
         port = free_port()
         table = commands(args, port, workdir)
-        for name in [s for s in args.servers if s in table]:
-            command, route, cwd = table[name]
-            process = start(command, port, cwd)
-            try:
-                load(port, route, [requests(sentences, "multi", 20, seed=99)], 60)  # warm-up: every shape once
-                for workload in args.workloads:
-                    for clients in args.clients:
-                        work = [requests(sentences, workload, args.max_requests, seed=1000 * clients + c)
-                                for c in range(clients)]
-                        row = {"server": name, "workload": workload, "clients": clients,
-                               **load(port, route, work, args.seconds), "loadavg": loadavg()}
-                        results.append(row)
-                        print(f"{name:20s} {workload:6s} {clients:3d} clients: {row['sentences_per_s']:8.1f} "
-                              f"sentences/s  p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  "
-                              f"errors {row['errors']}  (load {row['loadavg']})", flush=True)
-            finally:
-                process.terminate()
-                process.wait(timeout=60)
+        try:
+            for name in [s for s in args.servers if s in table]:
+                results += measure(name, table[name], port, sentences, args, quota)
+        finally:
+            if quota is not None:
+                quota.remove()
     print("\n# bert-impl's sentences/s against the best other server at each point (and its p99 against that one's)")
     for workload in args.workloads:
         for clients in args.clients:
@@ -481,6 +542,43 @@ def main():
             json.dump(results, f, indent=1)
     if args.plot:
         plot(results, args.workloads, args.plot)
+
+
+def measure(name: str, server: tuple, port: int, sentences: list[str], args, quota: CpuQuota | None) -> list[dict]:
+    """One server started (in `quota`'s cgroup where given), warmed up, measured at each workload and client count
+    (beside `--busy` busy cores), stopped; its rows."""
+    command, route, cwd = server
+    process = start(command, port, cwd, quota)
+    rows = []
+    try:
+        load(port, route, [requests(sentences, "multi", 20, seed=99)], 60)  # warm-up: every shape once
+        for workload in args.workloads:
+            for clients in args.clients:
+                work = [requests(sentences, workload, args.max_requests, seed=1000 * clients + c)
+                        for c in range(clients)]
+                before = quota.throttled() if quota else None
+                neighbours = busy(args.busy)
+                try:
+                    row = {"server": name, "workload": workload, "clients": clients,
+                           **load(port, route, work, args.seconds, args.client == "parse"), "loadavg": loadavg()}
+                finally:
+                    for neighbour in neighbours:
+                        neighbour.kill()
+                        neighbour.wait()
+                throttled = ""
+                if quota:
+                    after = quota.throttled()
+                    row["throttled_periods"] = after["nr_throttled"] - before["nr_throttled"]
+                    row["periods"] = after["nr_periods"] - before["nr_periods"]
+                    throttled = f"  throttled {row['throttled_periods']} of {row['periods']} periods"
+                rows.append(row)
+                print(f"{name:20s} {workload:6s} {clients:3d} clients: {row['sentences_per_s']:8.1f} "
+                      f"sentences/s  p50 {row['p50_ms']:8.1f} ms  p99 {row['p99_ms']:8.1f} ms  "
+                      f"errors {row['errors']}{throttled}  (load {row['loadavg']})", flush=True)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    return rows
 
 
 def plot(results: list[dict], workloads: list[str], path: str) -> None:
