@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,19 @@ def test_the_program_lets_other_python_threads_run_while_it_computes(small_packa
         sys.setswitchinterval(interval)
         thread.join()
     assert during > 0
+
+
+def test_the_program_runs_calls_from_several_threads_each_its_own(small_packages, quick_call):
+    """`Program(path, runners)` holds that many instances of the model (a server's streams call it at once; with one,
+    AOTInductor's container ran their calls in turn): calls of several shapes from four threads at once, through two
+    runners, each give the outputs of the same call alone. A count below 1 is refused, naming it."""
+    path = small_packages[True]
+    program = quick_call.Program(path, 2)
+    shapes = [(1, 2), (3, 9), (8, 64), (2, 33)] * 5
+    expected = [program(program_inputs_of(B, T)) for B, T in shapes]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda shape: program(program_inputs_of(*shape)), shapes))
+    for outputs, want in zip(got, expected):
+        assert all(torch.equal(a, b) for a, b in zip(outputs, want))
+    with pytest.raises(ValueError, match="runners: 0, at least 1"):
+        quick_call.Program(path, 0)

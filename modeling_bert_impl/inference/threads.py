@@ -128,8 +128,9 @@ def free_thread_pool() -> bool:
 
 
 class QueryThreads:
-    """How many threads a compiled program's single queries run with: torch's while the cores are free, one while
-    another process holds one of them. Told from the calls' own times, per query length: after `SLOW_CALLS` calls in a
+    """How many threads a call runs with (a compiled program's single queries; a server's batches that run alone):
+    the calling thread's torch threads while the cores are free, one while another process holds one of them. Told
+    from the calls' own times, per query length (or any size the caller keys them by): after `SLOW_CALLS` calls in a
     row slower than `SLOWER` x the fastest seen at full threads, the calls run on one thread, and now and then one at
     full threads again (after `FIRST_PROBE` calls, then twice as many each time, at most `LAST_PROBE`), which ends the
     one-thread spell where it beats the last one-thread call. A process that starts beside the neighbour takes that

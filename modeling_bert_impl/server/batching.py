@@ -8,10 +8,10 @@ process holds slows the stream whose thread shares it, not every batch: one mode
 cores waits at each parallel region for the thread that has no core (benchmarks/NOTES.md, "Model streams"). A batch
 that runs alone (the queue empty once it is taken, no other stream busy) runs on all S x M threads, the streams'
 together, while the others wait for it: a lone request's latency is one worker's. Such wide batches go through a
-`QueryThreads` on their token counts: while they run 1.5x slower than their best, the cores are contended and they run
-on one thread. Where the queue holds work for several free streams, each takes its share of it. Stream 0 takes a lone
-request, so that one thread only ever runs wide batches (each thread that runs parallel regions keeps an OpenMP pool,
-and libgomp's idle threads spin only briefly while it manages more threads than there are CPUs).
+`QueryThreads` on their token counts: while they run `QueryThreads.SLOWER` times slower than their best, the cores are
+contended and they run on one thread. Where the queue holds work for several free streams, each takes its share of it.
+Stream 0 takes a lone request, so that one thread only ever runs wide batches (each thread that runs parallel regions
+keeps an OpenMP pool, and libgomp's idle threads spin only briefly while it manages more threads than there are CPUs).
 """
 
 import math
