@@ -332,15 +332,12 @@ def overhead(sentences: list[str], rounds: int = 50, block: int = 10):
     (the model's own time drifts by a millisecond between runs on a shared machine: pairing takes the drift out).
     Then the floor under any server behind uvicorn here: a plain ASGI app answering a fixed embedding at once, asked
     right after each engine call (the cores' state a server meets after its model ran) and back to back."""
-    import torch
-
     from modeling_bert_impl.server.engine import Engine, EngineChoice
 
     port = free_port()
     process = start([os.path.join(os.path.dirname(sys.executable), "bert-impl-serve"), minilm_dir(), "--port",
                      str(port)], port)
-    engine = Engine(minilm_dir(), EngineChoice())
-    torch.set_num_threads(engine.info()["threads"])
+    engine = Engine(minilm_dir(), EngineChoice())  # on torch's threads as the engine sized them
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     times = {"server": [], "engine": []}
     paired = []
@@ -399,8 +396,6 @@ def engine_alone(sentences: list[str], args) -> None:
     """Each bert-impl engine of `--servers` called in this process, no server: each workload's requests packed as the
     server's worker packs them (whole requests up to its batch of tokens, tokenized before timing) and run back to back
     for `--seconds`: the most sentences/s a server of that engine could answer on this machine."""
-    import torch
-
     from modeling_bert_impl.server.app import BATCH_TOKENS
     from modeling_bert_impl.server.batching import Batcher
     from modeling_bert_impl.server.engine import Engine, EngineChoice
@@ -409,8 +404,7 @@ def engine_alone(sentences: list[str], args) -> None:
         choices = {"bert-impl": EngineChoice(), "bert-impl fp32": EngineChoice(dtype="float32"),
                    "bert-impl int8": EngineChoice(int8_calibration=calibration_file(workdir), compile=True)}
         for name in [s for s in args.servers if s in choices]:
-            engine = Engine(minilm_dir(), choices[name])
-            torch.set_num_threads(engine.info()["threads"])
+            engine = Engine(minilm_dir(), choices[name])  # on torch's threads as the engine sized them
             for workload in args.workloads:
                 batcher = Batcher(engine.run, BATCH_TOKENS["cpu"], None, math.inf)  # its worker not started
                 for request in requests(sentences, workload, 2000, seed=7):
