@@ -196,6 +196,6 @@ class Batcher:
         if not batch.wide or batch.threads == 1:
             return self.run(batch.encodings), batch.threads
         used = []
-        outputs = self.wide_governor(2 ** math.ceil(math.log2(batch.tokens)),  # batches alike in size compared
+        outputs = self.wide_governor(batch.tokens.bit_length(),  # batches within a power of two of tokens compared
                                      lambda: (used.append(torch.get_num_threads()), self.run(batch.encodings))[1])
         return outputs, used[0]
