@@ -107,7 +107,7 @@ OMP_PAUSE_HARD = 2  # OpenMP 5.0's omp_pause_hard
 
 def free_thread_pool() -> bool:
     """Free the calling thread's OpenMP threads, for a process whose models compute on another thread from now on (a
-    server's model worker): call it on the thread that loaded the model. libgomp (torch's OpenMP on Linux) keeps each
+    server's model streams): call it on the thread that loaded the model. libgomp (torch's OpenMP on Linux) keeps each
     thread's pool of threads until that thread ends, and while it manages more threads than there are CPUs, its idle
     threads spin about 1,000 times after each parallel region instead of about 300,000, and then sleep: every region
     then waits for a thread to wake, and the model worker's batches run at about one thread's speed

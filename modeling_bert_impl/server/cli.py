@@ -161,7 +161,7 @@ def uvicorn_limits(limits) -> dict:
 
 def serve(run, engine) -> None:
     """`run()` (uvicorn's server), then the model released however it ends (`release`). uvicorn's SIGTERM and SIGINT:
-    stop taking connections, finish the requests in flight, end the lifespan (the model worker drains its queue), then
+    stop taking connections, finish the requests in flight, end the lifespan (the model streams drain the queue), then
     raise the signal again: SIGTERM's handler here releases the model, then dies of it as before; SIGINT's
     KeyboardInterrupt passes through the `finally`."""
 
@@ -181,7 +181,7 @@ def serve(run, engine) -> None:
 def freeze_garbage_collector() -> None:
     """Set aside every object made so far (torch's, transformers', the model's: about 430,000 for all-MiniLM-L6-v2)
     from Python's cycle collector: `gc.freeze`, once loaded. Else each full collection walks them all, holding the GIL
-    for a fifth of a second idle and longer under load, during which no request is answered and the model worker waits
+    for a fifth of a second idle and longer under load, during which no request is answered and the model streams wait
     (benchmarks/NOTES.md, "The server's garbage collector"). Objects made later are collected as before."""
     gc.collect()
     gc.freeze()
