@@ -151,6 +151,17 @@ def skipping_always_pays(monkeypatch):
     monkeypatch.setattr(layouts, "BREAK_EVEN_FLOPS", {})
 
 
+@pytest.fixture
+def torch_threads():
+    """torch's threads put back after the test, for tests that set them (directly, or through a server's streams,
+    each of which sets its own: a new thread starts from the last count set anywhere); the count before."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def minilm_dir():
     """Folder of sentence-transformers/all-MiniLM-L6-v2: a stock BertModel (L=6, H=384) with its tokenizer. From the

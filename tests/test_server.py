@@ -934,3 +934,37 @@ def test_calibration_is_refused_at_argument_parsing_when_missing_or_without_int8
     texts.write_text("a sentence like those served\n")
     line = refusal(capsys, minilm_dir, "--calibration", texts)
     assert line.endswith(f"--calibration {texts} is read by --int8 only: add --int8, or leave it out")
+
+
+def test_the_real_model_across_streams_over_http(minilm_dir, torch_threads):
+    """The server with two one-thread streams (a batch alone on two threads): 64 clients at once, each its own
+    sentence, get their own embeddings; /info and /metrics say what ran."""
+    torch.set_num_threads(2)
+    engine = Engine(minilm_dir, FLOAT32)
+    server = Server(engine, Limits(streams=2, threads_per_stream=1))
+    texts = [f"Client {i} writes about {['rivers', 'mountains', 'cities', 'the sea'][i % 4]} and number {i}."
+             for i in range(64)]
+    try:
+        with ThreadPoolExecutor(64) as pool:
+            answers = list(pool.map(lambda text: server.post("/embed", {"inputs": text}), texts))
+        info = server.get("/info")[1]
+        metrics = server.get("/metrics")[1]
+    finally:
+        server.stop()
+    expected = sentence_transformers_embeddings(minilm_dir, texts)
+    for (status, got, _), want in zip(answers, expected):
+        assert status == 200 and np.abs(np.array(got[0]) - want).max() < 1e-5
+    assert (info["streams"], info["threads_per_stream"], info["threads"]) == (2, 1, 2)
+    assert 'bert_impl_stream_batches_total{stream="0"' in metrics and "bert_impl_stream_busy_seconds_total" in metrics
+
+
+def test_the_stream_flags_parse_and_bad_values_are_refused_in_one_line(capsys, minilm_dir):
+    from modeling_bert_impl.server import cli
+
+    args = cli.parse_args([minilm_dir, "--streams", "3", "--threads-per-stream", "2"])
+    assert (args.streams, args.threads_per_stream) == (3, 2)
+    assert (cli.parse_args([minilm_dir]).streams, cli.parse_args([minilm_dir]).threads_per_stream) == (None, None)
+    assert refusal(capsys, minilm_dir, "--streams", "0").endswith("argument --streams: 0: at least 1")
+    assert "invalid positive value: 'two'" in refusal(capsys, minilm_dir, "--threads-per-stream", "two")
+    line = refusal(capsys, minilm_dir, "--device", "cuda", "--streams", "2")
+    assert line.endswith("--streams 2: a CUDA device runs one stream (its kernels are queued on the device)")

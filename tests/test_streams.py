@@ -1,25 +1,19 @@
 """bert-impl-serve's model streams (modeling_bert_impl/server/batching.py): several stream workers taking batches from
 the one queue, each on threads of its own; a batch alone on every stream's threads, and on one while the cores are
 contended; each answer its own request's; a failing batch failing its own requests only; stopping drains every stream.
-Stand-in models (functions of the batch's ids) here; the real model across streams in test_server.py's fixture style,
-over HTTP."""
+Stand-in models (functions of the batch's ids) here; the real model across streams over HTTP, and the flags, in
+test_server.py; the benchmark beside a busy core and under a CPU quota (slow)."""
 
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 import torch
 
 from modeling_bert_impl.server.batching import Batcher, stream_plan
 from modeling_bert_impl.server.engine import Encoding
 
-pytest.importorskip("uvicorn")
-from test_server import FLOAT32, Server, sentence_transformers_embeddings  # noqa: E402
-
-from modeling_bert_impl.server.app import Limits  # noqa: E402
-from modeling_bert_impl.server.engine import Engine  # noqa: E402
 
 
 def job(value: int, tokens: int = 1) -> list[Encoding]:
@@ -29,14 +23,6 @@ def job(value: int, tokens: int = 1) -> list[Encoding]:
 def first_ids(encodings: list[Encoding]) -> torch.Tensor:
     """A stand-in model: each input's first id, its output row."""
     return torch.tensor([e.ids[0] for e in encodings])
-
-
-@pytest.fixture
-def torch_threads():
-    """torch's threads put back after the test (the streams set their own, and a new thread starts from the last)."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def test_stream_plan_from_the_usable_threads_and_the_flags():
@@ -209,41 +195,6 @@ def test_wide_batches_take_one_thread_while_the_cores_are_contended(torch_thread
         assert alone(16 + 1 + 2) == [1] * 16 + [2, 2, 2]  # the next probe beats one thread: back to two
     finally:
         batcher.stop()
-
-
-def test_the_real_model_across_streams_over_http(minilm_dir, torch_threads):
-    """The server with two one-thread streams (a batch alone on two threads): 64 clients at once, each its own
-    sentence, get their own embeddings; /info and /metrics say what ran."""
-    torch.set_num_threads(2)
-    engine = Engine(minilm_dir, FLOAT32)
-    server = Server(engine, Limits(streams=2, threads_per_stream=1))
-    texts = [f"Client {i} writes about {['rivers', 'mountains', 'cities', 'the sea'][i % 4]} and number {i}."
-             for i in range(64)]
-    try:
-        with ThreadPoolExecutor(64) as pool:
-            answers = list(pool.map(lambda text: server.post("/embed", {"inputs": text}), texts))
-        info = server.get("/info")[1]
-        metrics = server.get("/metrics")[1]
-    finally:
-        server.stop()
-    expected = sentence_transformers_embeddings(minilm_dir, texts)
-    for (status, got, _), want in zip(answers, expected):
-        assert status == 200 and np.abs(np.array(got[0]) - want).max() < 1e-5
-    assert (info["streams"], info["threads_per_stream"], info["threads"]) == (2, 1, 2)
-    assert 'bert_impl_stream_batches_total{stream="0"' in metrics and "bert_impl_stream_busy_seconds_total" in metrics
-
-
-def test_the_stream_flags_parse_and_bad_values_are_refused_in_one_line(capsys, minilm_dir):
-    from modeling_bert_impl.server import cli
-    from test_server import refusal
-
-    args = cli.parse_args([minilm_dir, "--streams", "3", "--threads-per-stream", "2"])
-    assert (args.streams, args.threads_per_stream) == (3, 2)
-    assert (cli.parse_args([minilm_dir]).streams, cli.parse_args([minilm_dir]).threads_per_stream) == (None, None)
-    assert refusal(capsys, minilm_dir, "--streams", "0").endswith("argument --streams: 0: at least 1")
-    assert "invalid positive value: 'two'" in refusal(capsys, minilm_dir, "--threads-per-stream", "two")
-    line = refusal(capsys, minilm_dir, "--device", "cuda", "--streams", "2")
-    assert line.endswith("--streams 2: a CUDA device runs one stream (its kernels are queued on the device)")
 
 
 @pytest.mark.slow

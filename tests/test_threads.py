@@ -50,14 +50,6 @@ def test_usable_cpus_from_affinity_and_quota():
     assert threads.usable_cpus({0, 1}, 0.25) == 1
 
 
-@pytest.fixture
-def torch_threads():
-    """torch's threads put back after the test."""
-    before = torch.get_num_threads()
-    yield before
-    torch.set_num_threads(before)
-
-
 def test_an_engine_lowers_the_threads_to_the_usable_cpus_and_says_so_once(torch_threads, monkeypatch):
     """With more torch threads than the process may run at once (a faked affinity of one CPU), making an inference
     model lowers them and says so, once; fewer are never raised; with OMP_NUM_THREADS set they are the user's."""
