@@ -579,7 +579,7 @@ def test_a_recipe_without_the_recipes_extra_names_it(script):
 # The load report a newcomer reads
 # ---------------------------------------------------------------------------------------------------------------------
 def test_a_new_task_head_is_said_in_one_line_and_missing_encoder_weights_keep_the_report(minilm_dir, tmp_path,
-                                                                                           caplog):
+                                                                                           caplog, monkeypatch):
     """Fine-tuning MiniLM (an encoder without a classifier): one INFO line says the classifier is new and that
     fine-tuning trains it, in place of transformers' table that calls it MISSING in red (a newcomer took it for an
     error). A checkpoint that lacks weights of the encoder itself keeps transformers' report, and its table."""
@@ -587,6 +587,9 @@ def test_a_new_task_head_is_said_in_one_line_and_missing_encoder_weights_keep_th
 
     from modeling_bert_impl import BertImplForSequenceClassification, BertImplModel
 
+    # transformers' records reach caplog (the root logger) only where its logger propagates: off by default, on where
+    # an earlier test in the process turned it on; on here whatever ran before
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
     args = common.ModelArguments(model_name_or_path=minilm_dir)
     with caplog.at_level(logging.INFO):
         model = common.load_for_fine_tuning(BertImplForSequenceClassification, args, num_labels=2)
