@@ -140,12 +140,11 @@ class Batcher:
                 jobs = self.take(min(self.max_batch_tokens, share))
                 if jobs:
                     break
-            wide = self.streams > 1 and not self.queue and not any(self.busy)
+            wide = self.streams == 1 or (not self.queue and not any(self.busy))  # alone: on every thread
             self.busy[stream], self.wide_running = True, wide
             if self.queue:  # more for the other streams
                 self.ready.notify_all()
-        threads = self.wide_threads if wide or self.streams == 1 else self.threads_per_stream
-        return Batch(jobs, threads, wide or self.streams == 1)
+        return Batch(jobs, self.wide_threads if wide else self.threads_per_stream, wide)
 
     def take(self, max_tokens: int | None = None) -> list[Job]:
         """The jobs at the head of the queue that fit one batch of `max_tokens` (`max_batch_tokens` where None; the
