@@ -1,16 +1,23 @@
 """The recipes' output directory and checkpoints: an earlier run is never overwritten unasked (`prepare_run`),
 checkpoints are written all-or-nothing (`RecipeTrainer`), a damaged one is found without loading it (`damaged_files`)
-and skipped or refused by name, and a resumed run reports the whole run's `train_loss`."""
+and skipped or refused by name, a resumed run reports the whole run's `train_loss`, `--resume_from_checkpoint auto`
+continues whatever the folder holds, and a signal stops a run with a checkpoint (`preemption`)."""
 
 import json
 import logging
 import os
 import re
+import shlex
 import shutil
+import sys
 import zipfile
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from modeling_bert_impl.integrations.preemption import PreemptionCallback, parse_signals
+from redaction import redact
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +172,87 @@ def resolve_last(output_dir: str, resume: str) -> str:
                      f"({PREFIX_CHECKPOINT_DIR}-N folder with trainer_state.json); give a checkpoint's path")
 
 
+def resolve_auto(args: TrainingArguments) -> str | None:
+    """The checkpoint `--resume_from_checkpoint auto` resumes: the newest intact complete one of --output_dir, as
+    `last`; None where there is none yet (the run starts from the beginning). A folder whose run finished (it holds
+    train_results.json, written once training ended) is not trained again: the process exits with status 0."""
+    output_dir = args.output_dir
+    if args.overwrite_output_dir:
+        raise ValueError("--resume_from_checkpoint auto continues the run in --output_dir, --overwrite_output_dir "
+                         "deletes it: pass one of them")
+    if os.path.isfile(os.path.join(output_dir, "train_results.json")):
+        logger.warning(f"--resume_from_checkpoint auto: {output_dir} holds a finished run (train_results.json): "
+                       f"nothing to train (its results: {os.path.join(output_dir, 'all_results.json')})")
+        raise SystemExit(0)
+    if complete_checkpoints(output_dir):
+        return resolve_last(output_dir, "auto")  # the newest intact one; an error naming the files if all are damaged
+    logger.warning(f"--resume_from_checkpoint auto: no checkpoint in {output_dir} yet: training from the beginning")
+    return None
+
+
+def check_position(checkpoint: str, args: TrainingArguments) -> None:
+    """Resuming on another number of processes: the Trainer resumes by steps, so the run continues at the checkpoint's
+    sample (its `DataPosition`) only where a step still takes as many samples (processes x per-device batch x
+    accumulation steps). Said where the processes change; a ValueError naming the flag that keeps the batch where it
+    changed. Checkpoints without a `DataPosition` (not the recipes') are not checked."""
+    with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
+        saved = json.load(f).get("stateful_callbacks", {}).get(DataPosition.__name__)
+    if not saved:
+        return
+    was = (saved[0] if isinstance(saved, list) else saved)["attributes"]
+    before = was["processes"] * was["per_device"] * was["accumulation"]
+    processes, per_device, accumulation = args.world_size, args.per_device_train_batch_size, \
+        args.gradient_accumulation_steps
+    now = processes * per_device * accumulation
+    written = (f"{checkpoint} was written by {was['processes']} process(es) x {was['per_device']} per device x "
+               f"{was['accumulation']} accumulation step(s) = {before} samples a step, at sample {was['samples_seen']}")
+    if now == before:
+        if processes != was["processes"]:
+            logger.warning(f"{written}; this run takes {processes} x {per_device} x {accumulation}, the same "
+                           f"{now} a step: it goes on from sample {was['samples_seen']} as the run would have")
+        return
+    keep = [f"--gradient_accumulation_steps {before // (processes * per_device)}"
+            if before % (processes * per_device) == 0 else None,
+            f"--per_device_train_batch_size {before // (processes * accumulation)}"
+            if before % (processes * accumulation) == 0 else None]
+    keep = [k for k in keep if k]
+    advice = (f"pass {' or '.join(keep)} to keep {before}" if keep else
+              f"no per-device batch and accumulation steps make {before} on {processes} process(es): resume on "
+              "another number of processes")
+    raise ValueError(f"--resume_from_checkpoint {checkpoint}: {written}; this run would take {processes} x "
+                     f"{per_device} x {accumulation} = {now}. The Trainer resumes by steps, so it would go on at "
+                     f"another sample than the one it stopped at, repeating or skipping examples: {advice}")
+
+
+def preemption(args: TrainingArguments, script: str, argv: list[str] | None = None) -> list[TrainerCallback]:
+    """[the `PreemptionCallback` of --save_on_signal (with SIGTERM where --enable_jit_checkpoint asks for it)], or []
+    where the run does not train or listens to no signal. Make it before the data is prepared: its handlers are
+    installed at once. Its last line gives the command that resumes: this one with --resume_from_checkpoint auto."""
+    names = args.save_on_signal if args.save_on_signal.strip().lower() != "none" else ""
+    if getattr(args, "enable_jit_checkpoint", False):
+        names = f"{names},SIGTERM"
+    if not args.do_train or not parse_signals(names or "none"):
+        return []
+    return [PreemptionCallback(names, resume=resume_command(script, argv))]
+
+
+def resume_command(script: str, argv: list[str] | None = None) -> str:
+    """The command line that resumes this run: its own (secrets redacted) with --resume_from_checkpoint auto."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    script = f"recipes/{os.path.basename(script)}"
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return f'{script} {argv[0]}, with "resume_from_checkpoint": "auto" in the file'
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.split("=")[0] == "--resume_from_checkpoint":
+            skip = not skip and "=" not in arg
+            continue
+        kept.append(arg)
+    command = shlex.join([script, *redact(kept), "--resume_from_checkpoint", "auto"])
+    launched = "WORLD_SIZE" in os.environ  # torchrun and accelerate launch set it
+    return f"the same launcher (torchrun, accelerate launch) with {command}" if launched else f"python {command}"
+
+
 def earlier_run(output_dir: str) -> list[str]:
     """What an earlier run left in `output_dir`: checkpoints (complete or not), results files, a trained model."""
     if not os.path.isdir(output_dir):
@@ -185,9 +273,20 @@ def prepare_run(args: TrainingArguments) -> None:
     - An --output_dir holding an earlier run (checkpoints, results, a trained model) is refused unless the run resumes
       or --overwrite_output_dir is given; that flag deletes the earlier checkpoints and results files first, so that the
       folder never mixes two runs."""
+    auto = (args.resume_from_checkpoint or "").lower() == "auto"
     if not args.do_train:
+        if auto:
+            args.resume_from_checkpoint = None
         return
+    try:
+        parse_signals(args.save_on_signal)
+    except ValueError as error:
+        raise ValueError(f"--save_on_signal {error}") from None
     output_dir, resume = args.output_dir, args.resume_from_checkpoint
+    if auto:
+        resume = args.resume_from_checkpoint = resolve_auto(args)
+        if resume is None:  # the beginning, over whatever an attempt stopped before its first checkpoint left
+            return
     if resume is not None and resume.lower() in ("true", "last"):
         resume = args.resume_from_checkpoint = resolve_last(output_dir, resume)
     if resume is not None:
@@ -210,6 +309,7 @@ def prepare_run(args: TrainingArguments) -> None:
         if missing:
             logger.warning(f"resuming from {resume} without {', '.join(missing)}: the losses will differ from those of "
                            "an uninterrupted run")
+        check_position(resume, args)
         return
     previous = earlier_run(output_dir)
     if previous and not args.overwrite_output_dir:
@@ -248,6 +348,7 @@ class RecipeTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.run_start = RunStart()
         self.add_callback(self.run_start)
+        self.add_callback(DataPosition())
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "train_loss" in logs and self.run_start.step:
@@ -308,6 +409,30 @@ class RunStart(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.step = state.global_step
+
+
+class DataPosition(TrainerCallback, ExportableState):
+    """The run's place in its data, kept in every checkpoint's trainer_state.json: the samples seen, and the batch
+    that counts them (processes x per-device batch x accumulation steps), which a resume must keep
+    (`check_position`)."""
+
+    processes = per_device = accumulation = samples_seen = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.processes, self.per_device = args.world_size, args.per_device_train_batch_size
+        self.accumulation = args.gradient_accumulation_steps
+        self.samples_seen = state.global_step * self.batch  # a resume keeps the batch (`check_position`)
+
+    @property
+    def batch(self) -> int:
+        return self.processes * self.per_device * self.accumulation
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.samples_seen += self.batch
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"processes": self.processes, "per_device": self.per_device,
+                                           "accumulation": self.accumulation, "samples_seen": self.samples_seen}}
 
 
 def whole_run_loss(log_history: list[dict], resumed_at: int, mean_after: float, step: int) -> float:

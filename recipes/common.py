@@ -20,6 +20,7 @@ import transformers
 from transformers import AutoTokenizer, HfArgumentParser, Trainer, TrainingArguments
 
 from modeling_bert_impl.inference import cpu_bf16_units
+from modeling_bert_impl.integrations.preemption import DEFAULT_SIGNALS
 
 from checkpoints import prepare_run
 from redaction import RedactingFilter, redact
@@ -72,12 +73,19 @@ class DataArguments:
 
 @dataclass
 class RecipeTrainingArguments(TrainingArguments):
-    """`TrainingArguments` and the two flags with which the recipes guard a user's earlier work (see `prepare_run`)."""
+    """`TrainingArguments` and the recipes' own flags: two that guard a user's earlier work (see `prepare_run`) and the
+    signals that stop a run with a checkpoint (`checkpoints.preemption`)."""
 
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Train into an --output_dir that holds an earlier run: its checkpoints and results files are "
                           "deleted first. Without this flag (or --resume_from_checkpoint) such a folder is refused."},
+    )
+    save_on_signal: str = field(
+        default=DEFAULT_SIGNALS,
+        metadata={"help": "On these signals (comma-separated; none to turn off) the run finishes its step, writes one "
+                          "checkpoint on every process together and exits with status 75 (preempted), to be resumed "
+                          "with --resume_from_checkpoint auto. --enable_jit_checkpoint adds SIGTERM."},
     )
     resume_without_training_state: bool = field(
         default=False,

@@ -138,6 +138,7 @@ def check_labels(raw, files: dict[str, str], label_column: str, classes: bool) -
 def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(DataArguments, argv)
+    preemption = checkpoints.preemption(training_args, __file__, argv)  # before the data: see its docstring
     common.setup_logging(training_args)
     set_seed(training_args.seed)
 
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> Trainer:
     trainer = checkpoints.RecipeTrainer(
         model=model,
         args=training_args,
+        callbacks=preemption,
         train_dataset=train_dataset,
         eval_dataset=next(iter(eval_datasets.values()), None),
         processing_class=tokenizer,

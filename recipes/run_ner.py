@@ -126,6 +126,7 @@ def align_labels(word_ids: list, tag_ids: list[int], continuation: list[int] | N
 def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(DataArguments, argv)
+    preemption = checkpoints.preemption(training_args, __file__, argv)  # before the data: see its docstring
     common.setup_logging(training_args)
     return run(model_args, data_args, training_args, argv)
 
@@ -206,6 +207,7 @@ def run(model_args: common.ModelArguments, data_args: DataArguments, training_ar
     trainer = checkpoints.RecipeTrainer(
         model=model,
         args=training_args,
+        callbacks=preemption,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,

@@ -1034,6 +1034,7 @@ def prepare_phases(raw: dict, tokenizer, data_args: DataTrainingArguments, train
 
 def main(argv: list[str] | None = None) -> dict:
     model_args, data_args, run_args, training_args = parse_args(argv)
+    preemption = checkpoints.preemption(training_args, __file__, argv)  # before the data: see its docstring
     setup_logging(training_args)
     check_data_parallel(training_args)
     set_seed(training_args.seed)
@@ -1090,6 +1091,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = PreTrainingTrainer(
         model=model,
         args=training_args,
+        callbacks=preemption,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,

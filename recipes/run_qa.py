@@ -164,6 +164,7 @@ def check_question_lengths(raw, files: dict[str, str], tokenizer, max_length: in
 def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(DataArguments, argv)
+    preemption = checkpoints.preemption(training_args, __file__, argv)  # before the data: see its docstring
     common.setup_logging(training_args)
     set_seed(training_args.seed)
 
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> Trainer:
     trainer = checkpoints.RecipeTrainer(
         model=model,
         args=training_args,
+        callbacks=preemption,
         train_dataset=train_dataset,
         eval_dataset=model_inputs(eval_features) if training_args.do_eval else None,
         processing_class=tokenizer,

@@ -53,6 +53,7 @@ def check_examples(raw, files: dict[str, str]) -> None:
 def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(common.DataArguments, argv)
+    preemption = checkpoints.preemption(training_args, __file__, argv)  # before the data: see its docstring
     common.setup_logging(training_args)
     set_seed(training_args.seed)
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> Trainer:
     trainer = checkpoints.RecipeTrainer(
         model=model,
         args=training_args,
+        callbacks=preemption,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
