@@ -126,7 +126,6 @@ def align_labels(word_ids: list, tag_ids: list[int], continuation: list[int] | N
 def main(argv: list[str] | None = None) -> Trainer:
     """Run the recipe with `argv` (default: the command line) and return its Trainer."""
     model_args, data_args, training_args = common.parse_args(DataArguments, argv)
-    preemption = checkpoints.preemption(training_args, __file__, argv)  # before the data: see its docstring
     common.setup_logging(training_args)
     return run(model_args, data_args, training_args, argv)
 
@@ -135,6 +134,7 @@ def run(model_args: common.ModelArguments, data_args: DataArguments, training_ar
         argv: list[str] | None = None, script: str = __file__) -> Trainer:
     """The recipe on parsed arguments (their output directory checked by `checkpoints.prepare_run`); `script` and `argv`
     are the command the model card records. run_ner_features.py --fine_tune calls it for the table's fine-tuning row."""
+    preemption = checkpoints.preemption(training_args, script, argv)  # before the data: see its docstring
     set_seed(training_args.seed)
 
     raw = common.load_data(data_args, model_args.cache_dir, read_file)

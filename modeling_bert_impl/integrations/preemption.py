@@ -117,6 +117,9 @@ class PreemptionCallback(TrainerCallback):
             self.stopping = any_process(self.received is not None, args.device)
         return self.stopping
 
+    def on_init_end(self, args, state, control, **kwargs):
+        self.install()  # transformers' JIT checkpoint took SIGTERM while the Trainer was made
+
     def on_train_begin(self, args, state, control, **kwargs):
         self.install()
         self.training = True
