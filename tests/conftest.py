@@ -55,6 +55,9 @@ def _logging_levels_restored():
 # named here go with another's, for the session fixtures they both use (the `small_*` packages: 20-45 s a compile).
 SHARED_WORKER = {"tests/test_avx2_gemm.py": "tests/test_compiled.py",
                  "tests/test_quick_call.py": "tests/test_compiled.py"}
+# and the tests of a file named here whose names start so go to a worker of their own: the file's runs take minutes
+SECOND_WORKER = {"tests/test_preemption_runs.py": ("test_torchrun", "test_a_checkpoint_of_n_processes",
+                                                    "test_two_nodes")}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -66,6 +69,8 @@ def pytest_xdist_make_scheduler(config, log):
     class SharedWorkerScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
+            if nodeid.split("::")[-1].startswith(SECOND_WORKER.get(scope, ())):
+                return f"{scope}::second worker"
             return SHARED_WORKER.get(scope, scope)
 
     return SharedWorkerScheduling(config, log)
