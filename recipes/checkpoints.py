@@ -269,7 +269,11 @@ def prepare_run(args: TrainingArguments) -> None:
       (`resolve_last`: newer damaged ones are skipped with a warning; an error when there is none); a path: that
       checkpoint, refused when a file of it is damaged (`damaged_files`), with the newest complete older one named.
       args.resume_from_checkpoint becomes the path. A checkpoint without its training state (optimizer.pt,
-      scheduler.pt, rng_state.pth) is refused unless --resume_without_training_state.
+      scheduler.pt, rng_state.pth) is refused unless --resume_without_training_state, and one whose samples a step
+      this run would change is refused by `check_position`.
+    - `--resume_from_checkpoint auto`: `resolve_auto` (`last` where there is a checkpoint, the beginning where there is
+      none, an exit with status 0 where the run has finished).
+    - --save_on_signal must name signals (or none).
     - An --output_dir holding an earlier run (checkpoints, results, a trained model) is refused unless the run resumes
       or --overwrite_output_dir is given; that flag deletes the earlier checkpoints and results files first, so that the
       folder never mixes two runs."""
