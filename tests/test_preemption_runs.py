@@ -83,16 +83,25 @@ def start(files: dict, argv: list[str], watch: Path, torchrun: bool | list[str] 
     for stale in [*watch.glob("steps-*"), watch / "paused"] if clear else []:  # an earlier run's (ids seen kept)
         stale.unlink(missing_ok=True)
     launcher = torchrun if isinstance(torchrun, list) else TORCHRUN if torchrun else [sys.executable]
-    return subprocess.Popen([*launcher, files["script"], *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**ENV, "WATCH_DIR": str(watch), **env}, start_new_session=True)
+    process = subprocess.Popen([*launcher, files["script"], *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env={**ENV, "WATCH_DIR": str(watch), **env}, start_new_session=True)
+    process.watch = str(watch)  # what `finish` kills by
+    return process
 
 
 def finish(process: subprocess.Popen, timeout: float = 180) -> tuple[int | None, str]:
-    """(exit status, output) of the run; (None, output) where it is still running after `timeout` s (then killed)."""
+    """(exit status, output) of the run; (None, its output) where it still runs after `timeout` s: then it and every
+    process started with its watch folder are killed (a launcher's workers can outlive it, holding the output pipe)."""
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+            try:
+                if f"WATCH_DIR={process.watch}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
         return None, process.communicate()[0]
     return process.returncode, output
 
