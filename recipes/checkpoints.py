@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import zipfile
 
@@ -196,20 +197,22 @@ def check_position(checkpoint: str, args: TrainingArguments) -> None:
     accumulation steps). Said where the processes change; a ValueError naming the flag that keeps the batch where it
     changed. Checkpoints without a `DataPosition` (not the recipes') are not checked."""
     with open(os.path.join(checkpoint, "trainer_state.json"), encoding="utf-8") as f:
-        saved = json.load(f).get("stateful_callbacks", {}).get(DataPosition.__name__)
+        state = json.load(f)
+    saved = state.get("stateful_callbacks", {}).get(DataPosition.__name__)
     if not saved:
         return
     was = (saved[0] if isinstance(saved, list) else saved)["attributes"]
     before = was["processes"] * was["per_device"] * was["accumulation"]
+    seen = state["global_step"] * before
     processes, per_device, accumulation = args.world_size, args.per_device_train_batch_size, \
         args.gradient_accumulation_steps
     now = processes * per_device * accumulation
     written = (f"{checkpoint} was written by {was['processes']} process(es) x {was['per_device']} per device x "
-               f"{was['accumulation']} accumulation step(s) = {before} samples a step, at sample {was['samples_seen']}")
+               f"{was['accumulation']} accumulation step(s) = {before} samples a step, at sample {seen}")
     if now == before:
         if processes != was["processes"]:
             logger.warning(f"{written}; this run takes {processes} x {per_device} x {accumulation}, the same "
-                           f"{now} a step: it goes on from sample {was['samples_seen']} as the run would have")
+                           f"{now} a step: it goes on from sample {seen} as the run would have")
         return
     keep = [f"--gradient_accumulation_steps {before // (processes * per_device)}"
             if before % (processes * per_device) == 0 else None,
@@ -228,12 +231,12 @@ def preemption(args: TrainingArguments, script: str, argv: list[str] | None = No
     """[the `PreemptionCallback` of --save_on_signal (with SIGTERM where --enable_jit_checkpoint asks for it)], or []
     where the run does not train or listens to no signal. Make it before the data is prepared: its handlers are
     installed at once. Its last line gives the command that resumes: this one with --resume_from_checkpoint auto."""
-    names = args.save_on_signal if args.save_on_signal.strip().lower() != "none" else ""
+    signals = parse_signals(args.save_on_signal)
     if getattr(args, "enable_jit_checkpoint", False):
-        names = f"{names},SIGTERM"
-    if not args.do_train or not parse_signals(names or "none"):
+        signals = tuple(dict.fromkeys((*signals, signal.SIGTERM)))
+    if not args.do_train or not signals:
         return []
-    return [PreemptionCallback(names, resume=resume_command(script, argv))]
+    return [PreemptionCallback(signals, resume=resume_command(script, argv))]
 
 
 def resume_command(script: str, argv: list[str] | None = None) -> str:
@@ -416,27 +419,19 @@ class RunStart(TrainerCallback):
 
 
 class DataPosition(TrainerCallback, ExportableState):
-    """The run's place in its data, kept in every checkpoint's trainer_state.json: the samples seen, and the batch
-    that counts them (processes x per-device batch x accumulation steps), which a resume must keep
-    (`check_position`)."""
+    """The run's place in its data, kept in every checkpoint's trainer_state.json: the samples a step (processes x
+    per-device batch x accumulation steps), which with the state's global_step gives the samples seen, and which a
+    resume must keep (`check_position`)."""
 
-    processes = per_device = accumulation = samples_seen = 0
+    processes = per_device = accumulation = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.processes, self.per_device = args.world_size, args.per_device_train_batch_size
         self.accumulation = args.gradient_accumulation_steps
-        self.samples_seen = state.global_step * self.batch  # a resume keeps the batch (`check_position`)
-
-    @property
-    def batch(self) -> int:
-        return self.processes * self.per_device * self.accumulation
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.samples_seen += self.batch
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {"processes": self.processes, "per_device": self.per_device,
-                                           "accumulation": self.accumulation, "samples_seen": self.samples_seen}}
+                                           "accumulation": self.accumulation}}
 
 
 def whole_run_loss(log_history: list[dict], resumed_at: int, mean_after: float, step: int) -> float:

@@ -192,7 +192,7 @@ def test_resume_auto_starts_resumes_or_leaves_a_finished_run_alone(tmp_path, cap
     checkpoints.prepare_run(args := recipe_args(out, resume_from_checkpoint="auto"))
     assert args.resume_from_checkpoint is None
 
-    position = dict(processes=1, per_device=8, accumulation=1, samples_seen=16)
+    position = dict(processes=1, per_device=8, accumulation=1)
     write_checkpoint(out, 2, **position)
     newest = write_checkpoint(out, 4, **position)
     checkpoints.prepare_run(args := recipe_args(out, resume_from_checkpoint="AUTO", per_device_train_batch_size=8))
@@ -210,7 +210,7 @@ def test_resume_auto_starts_resumes_or_leaves_a_finished_run_alone(tmp_path, cap
 def test_resuming_with_another_batch_per_step_is_refused_with_the_flag_that_keeps_it(tmp_path, caplog):
     """A checkpoint of 2 processes x 4 x 1 (8 samples a step) on this 1 process: 4 x 2 is the same batch and goes on
     (said); 4 x 1 would resume at another sample and is refused, naming the flags that keep 8."""
-    written = write_checkpoint(tmp_path, 6, processes=2, per_device=4, accumulation=1, samples_seen=48)
+    written = write_checkpoint(tmp_path, 6, processes=2, per_device=4, accumulation=1)
     with caplog.at_level(logging.WARNING):
         checkpoints.prepare_run(recipe_args(tmp_path, resume_from_checkpoint=str(written),
                                             per_device_train_batch_size=4, gradient_accumulation_steps=2))

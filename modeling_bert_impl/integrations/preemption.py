@@ -66,13 +66,20 @@ def any_process(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
+def checkpoint_path(args, state) -> str:
+    """The folder the Trainer saves this step's checkpoint as."""
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
 class PreemptionCallback(TrainerCallback):
-    """Checkpoint and stop on `signals` (names, comma-separated, or a tuple of them; default SIGTERM and SIGUSR1), as
-    the module says. `resume` is the advice the last line gives (default: `trainer.train(resume_from_checkpoint=...)`
-    with the checkpoint's path)."""
+    """Checkpoint and stop on `signals` (names, comma-separated, or a tuple of names or `signal.Signals`; default
+    SIGTERM and SIGUSR1), as the module says. `resume` is the advice the last line gives (default:
+    `trainer.train(resume_from_checkpoint=...)` with the checkpoint's path)."""
 
     def __init__(self, signals: str | tuple = DEFAULT_SIGNALS, resume: str | None = None):
-        self.signals = parse_signals(signals if isinstance(signals, str) else ",".join(map(str, signals)))
+        if not isinstance(signals, str):
+            signals = ",".join(getattr(s, "name", s) for s in signals) or "none"
+        self.signals = parse_signals(signals)
         self.resume = resume
         self.received: str | None = None  # the first signal's name
         self.received_at = 0.0
@@ -129,7 +136,7 @@ class PreemptionCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.save_now(args, state, control)
         if control.should_save:
-            path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            path = checkpoint_path(args, state)
             self.writing = None if os.path.exists(path) else path
 
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -149,7 +156,7 @@ class PreemptionCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         self.writing = None
         if self.decide(args) and self.saved is None:  # this save's step is the one to resume
-            self.saved = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            self.saved = checkpoint_path(args, state)
             state.best_model_checkpoint = None  # no loading it or pruning to it on the way out (the saved state has it)
             control.should_save, control.should_evaluate, control.should_training_stop = False, False, True
 
