@@ -12,7 +12,6 @@ import json
 import random
 import signal
 import socket
-import shutil
 import subprocess
 import sys
 import time
@@ -23,17 +22,84 @@ from safetensors.torch import load_file
 
 from modeling_bert_impl.integrations.preemption import PREEMPTED_EXIT_STATUS, REPEAT_SECONDS
 
-from recipe_data import (DOCUMENTS, FINAL_FILES, PRETRAINING_FLAGS, checkpoint_steps, last_step, logged_losses,
-                         wait_for, watched_script)
+from recipe_data import DOCUMENTS, PRETRAINING_FLAGS, SENTENCES, logged_losses
 
 pytestmark = pytest.mark.slow
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-SENTENCES = ["a lovely film", "a dreadful film", "great fun", "so boring", "truly wonderful", "awful acting",
-             "a charming story", "a tedious plot", "brilliant music", "poor dialogue", "superb cast", "bad jokes"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
        "PYTHONPATH": str(RECIPES.parent)}
 STEPS = 8
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The watched runs
+# ---------------------------------------------------------------------------------------------------------------------
+# Runs a recipe (argv[1]: run_glue, run_pretraining) as a real process, watched: each training_step call appends its
+# step to WATCH_DIR/steps-RANK and, with RECORD_IDS, the ids of its rows to WATCH_DIR/seen-RANK.jsonl, then sleeps
+# STEP_SECONDS so that a test can signal it during a step it has seen begin. With PAUSE_SAVE, the save that a signal
+# asked for pauses after the random state is written (trainer_state.json not yet) and writes WATCH_DIR/paused.
+WATCHED_RUN = """
+import json, os, sys, time
+sys.path.insert(0, {recipes!r})
+import transformers
+from modeling_bert_impl.integrations.preemption import PreemptionCallback
+folder, rank = os.environ["WATCH_DIR"], os.environ.get("RANK", "0")
+training_step, save_rng_state = transformers.Trainer.training_step, transformers.Trainer._save_rng_state
+def watched(self, model, inputs, *args, **kwargs):
+    step = self.state.global_step + 1
+    if os.environ.get("RECORD_IDS"):
+        with open(os.path.join(folder, f"seen-{{rank}}.jsonl"), "a") as f:
+            for row, mask in zip(inputs["input_ids"].tolist(), inputs["attention_mask"].tolist()):
+                f.write(json.dumps([step, [t for t, m in zip(row, mask) if m]]) + "\\n")
+    with open(os.path.join(folder, f"steps-{{rank}}"), "a") as f:
+        f.write(f"{{step}}\\n")
+    time.sleep(float(os.environ.get("STEP_SECONDS", "0")))
+    return training_step(self, model, inputs, *args, **kwargs)
+def pausing(self, output_dir):
+    save_rng_state(self, output_dir)
+    if os.environ.get("PAUSE_SAVE") and any(getattr(c, "stopping", False) for c in self.callback_handler.callbacks
+                                            if isinstance(c, PreemptionCallback)):
+        open(os.path.join(folder, "paused"), "w").close()
+        time.sleep(600)
+transformers.Trainer.training_step, transformers.Trainer._save_rng_state = watched, pausing
+recipe = __import__(sys.argv[1])
+recipe.main(sys.argv[2:])
+recipe.common.leave_process_group()
+"""
+
+
+def watched_script(folder: Path, recipes: Path) -> str:
+    path = folder / "watched_run.py"
+    path.write_text(WATCHED_RUN.format(recipes=str(recipes)))
+    return str(path)
+
+
+def last_step(watch: Path, rank: int = 0) -> int:
+    """The last step the watched run's process `rank` began (0 before its first)."""
+    path = watch / f"steps-{rank}"
+    steps = path.read_text().split() if path.exists() else []
+    return int(steps[-1]) if steps else 0
+
+
+def wait_for(condition, process, what: str, timeout: float = 240.0) -> None:
+    """Polls `condition()` until true; an AssertionError naming `what` if `process` ends or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended (exit {process.returncode}) before {what}:\n"
+                                 f"{process.stdout.read()[-4000:] if process.stdout else ''}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def checkpoint_steps(out: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in Path(out).glob("checkpoint-*"))
+
+
+FINAL_FILES = ("model.safetensors", "all_results.json", "train_results.json", "trainer_state.json")  # a finished run's
+
 
 
 @pytest.fixture(scope="module")

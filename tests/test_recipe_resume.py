@@ -35,10 +35,9 @@ import run_glue  # noqa: E402
 import run_ner  # noqa: E402
 import run_qa  # noqa: E402
 import run_swag  # noqa: E402
-from recipe_data import ner_sentence, squad_article, swag_rows, write_conll, write_csv  # noqa: E402
+from recipe_data import (SENTENCES, logged_losses, ner_sentence, squad_article, swag_rows,  # noqa: E402
+                         write_conll, write_csv)
 
-SENTENCES = ["a lovely film", "a dreadful film", "great fun", "so boring", "truly wonderful", "awful acting",
-             "a charming story", "a tedious plot", "brilliant music", "poor dialogue", "superb cast", "bad jokes"]
 
 # Pauses the save of step PAUSE_STEP after the random state is written, the last file before trainer_state.json.
 PAUSING_RUN = """
@@ -90,11 +89,6 @@ def run(cmd) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
 
 
-def losses(out) -> dict[int, float]:
-    state = json.loads((Path(out) / "trainer_state.json").read_text())
-    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
-
-
 def checkpoint_names(out) -> list[str]:
     return sorted(p.name for p in Path(out).iterdir() if p.name.startswith("checkpoint-"))
 
@@ -130,7 +124,7 @@ def test_second_run_refused_and_overwrite_leaves_one_run(setup, reference, tmp_p
     third = run(command(setup, out, "--overwrite_output_dir", "--max_steps", "4"))
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-4"]  # the first run's checkpoint-6 is gone: no mix
-    assert sorted(losses(out)) == [1, 2, 3, 4]
+    assert sorted(logged_losses(out)) == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
@@ -162,7 +156,7 @@ def test_killed_while_saving_resumes_from_the_newest_complete_checkpoint(setup, 
     assert "resuming from the newest complete checkpoint" in resumed.stdout + resumed.stderr
     assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not (out / ".incomplete-checkpoint").exists()
-    expected, got = losses(reference), losses(out)
+    expected, got = logged_losses(reference), logged_losses(out)
     assert sorted(got) == list(range(1, 7))
     worst = max(abs(got[step] - expected[step]) for step in (5, 6))
     print(f"largest loss difference after resuming: {worst:.2e}")
@@ -250,7 +244,7 @@ def test_fine_tuning_recipes_resume_last_and_true(recipe, data, setup, tmp_path,
     recipe.main(args)
     assert trained_from == [0, 1, 2, 3]
     assert checkpoint_names(out) == ["checkpoint-2", "checkpoint-4"]
-    first = losses(out)
+    first = logged_losses(out)
     checkpoint = out / f"{PREFIX_CHECKPOINT_DIR}-2"
     assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
 
@@ -275,7 +269,7 @@ def test_fine_tuning_recipes_resume_last_and_true(recipe, data, setup, tmp_path,
             assert len(skipped) == 1 and f"{newest / damage} (" in skipped[0]
         assert trained_from == [2, 3], f"--resume_from_checkpoint {resume} trained from step {trained_from[0]}"
         assert trainer.state.global_step == 4 and checkpoint_names(out) == ["checkpoint-2", "checkpoint-4"]
-        resumed = losses(out)  # steps 1 and 2 from the checkpoint's log history, 3 and 4 trained again
+        resumed = logged_losses(out)  # steps 1 and 2 from the checkpoint's log history, 3 and 4 trained again
         assert sorted(resumed) == [1, 2, 3, 4]
         assert all(abs(resumed[step] - first[step]) <= 1e-6 for step in (1, 2, 3, 4)), (resumed, first)
     assert checkpoints.damaged_files(str(newest)) == []
